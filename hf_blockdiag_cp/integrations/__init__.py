@@ -1,0 +1,1 @@
+"""Glue to Transformers, accelerate and the Trainer."""

@@ -1,0 +1,260 @@
+"""Pure planning over document ids: segmentation, padding, layouts and per-rank attention plans.
+
+Nothing here touches torch.distributed or a kernel. Every function works on CPU integer
+tensors, so it can be tested exhaustively against a dense mask and reused by the
+benchmarks and the balancer.
+
+Vocabulary
+- pack: the full packed row of S tokens, identical on every CP rank.
+- document ids: int64 [S], 1-based; 0 marks padding. Each id forms one contiguous run.
+- padded pack: the pack followed by tail padding up to a multiple of 2·G (`padded_seq_len`).
+- segment: a maximal run of one document id in the padded pack. A padding run is its own
+  segment, so padding rows attend (causally) only to padding and never produce NaN.
+- slot: one local row of one rank; `Layout.slot_positions[r, i]` is the padded-pack position
+  held by rank r's row i. Gathered K/V rows come in slot order (rank-major).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+LAYOUT_STRATEGIES = ("contiguous",)
+
+
+# --------------------------------------------------------------------------- segmentation
+
+
+def document_ids_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document ids (1-based) from position ids that restart per document.
+
+    A new document starts wherever the position does not continue the previous one by +1,
+    the rule Transformers uses to detect packed sequences.
+    """
+    pos = position_ids.reshape(-1).long()
+    if pos.numel() == 0:
+        return pos.clone()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[1:] = pos[1:] != pos[:-1] + 1
+    return torch.cumsum(starts.long(), 0)
+
+
+def document_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Document ids from cumulative lengths `[0, l0, l0+l1, ..., S]`; tokens past the end are padding."""
+    cu = cu_seqlens.reshape(-1).long().cpu()
+    if cu.numel() < 2 or int(cu[0]) != 0:
+        raise ValueError(f"cu_seq_lens_q must start with 0 and hold at least two offsets; got {cu.tolist()[:8]}")
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError("cu_seq_lens_q must be non-decreasing")
+    if int(cu[-1]) > seq_len:
+        raise ValueError(f"cu_seq_lens_q ends at {int(cu[-1])}, beyond the sequence length {seq_len}")
+    ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+    return torch.cat([ids, torch.zeros(seq_len - ids.numel(), dtype=torch.long)])
+
+
+def document_ids_from_lengths(lengths, seq_len: int | None = None) -> torch.Tensor:
+    """Document ids for documents of the given lengths laid end to end, padded with 0 to `seq_len`."""
+    lengths = torch.as_tensor(list(lengths), dtype=torch.long)
+    if bool((lengths <= 0).any()):
+        raise ValueError("document lengths must be positive")
+    ids = torch.repeat_interleave(torch.arange(1, lengths.numel() + 1), lengths)
+    total = ids.numel() if seq_len is None else seq_len
+    if total < ids.numel():
+        raise ValueError(f"documents hold {ids.numel()} tokens, more than seq_len={seq_len}")
+    return torch.cat([ids, torch.zeros(total - ids.numel(), dtype=torch.long)])
+
+
+def validate_document_ids(document_ids: torch.Tensor, field_name: str = "document_ids") -> None:
+    """Raise ValueError unless ids are >= 0 and every non-zero id forms exactly one contiguous run."""
+    ids = document_ids.reshape(-1).long()
+    if ids.numel() == 0:
+        raise ValueError(f"{field_name} is empty: a pack needs at least one token")
+    if bool((ids < 0).any()):
+        raise ValueError(f"{field_name} must be >= 0 (1-based document ids, 0 = padding); found negative ids")
+    change = torch.ones_like(ids, dtype=torch.bool)
+    change[1:] = ids[1:] != ids[:-1]
+    run_ids = ids[change]
+    run_ids = run_ids[run_ids != 0]
+    if run_ids.numel() != torch.unique(run_ids).numel():
+        values, counts = torch.unique(run_ids, return_counts=True)
+        bad = values[counts > 1][:5].tolist()
+        raise ValueError(
+            f"{field_name} must give each document one contiguous run of tokens; ids {bad} appear in "
+            "several separate runs (documents interleaved or an id reused)"
+        )
+
+
+def padded_length(seq_len: int, cp_size: int) -> int:
+    """Smallest multiple of 2·G that holds `seq_len` tokens (2·G leaves room for head-tail splits)."""
+    unit = 2 * cp_size
+    return max(unit, -(-seq_len // unit) * unit)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Segments of a padded pack: per position, its segment id and the position where that segment starts."""
+
+    segment_ids: torch.Tensor  # [S_pad] int64, 0-based, increasing along the pack
+    segment_starts: torch.Tensor  # [S_pad] int64
+    boundaries: torch.Tensor  # [n_segments + 1] int64 cumulative offsets
+
+    @staticmethod
+    def from_document_ids(document_ids: torch.Tensor) -> "Segments":
+        ids = document_ids.reshape(-1).long()
+        change = torch.ones_like(ids, dtype=torch.bool)
+        change[1:] = ids[1:] != ids[:-1]
+        seg = torch.cumsum(change.long(), 0) - 1
+        starts_at = torch.nonzero(change).reshape(-1)
+        boundaries = torch.cat([starts_at, torch.tensor([ids.numel()])])
+        return Segments(seg, starts_at[seg], boundaries)
+
+
+def packed_cu_seqlens(document_ids: torch.Tensor) -> torch.Tensor:
+    """Cumulative offsets `[0, ..., S_pad]` of the segments (documents and padding runs) of a padded pack."""
+    return Segments.from_document_ids(document_ids).boundaries
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which pack position every local row of every CP rank holds.
+
+    `token_indices[r, i]` is the original pack position of rank r's row i, -1 for tail
+    padding. `slot_positions` is the same with tail padding numbered past the pack, so every
+    slot has a position in the padded pack.
+    """
+
+    strategy: str
+    cp_size: int
+    original_seq_len: int
+    padded_seq_len: int
+    slot_positions: torch.Tensor  # [G, L] int64, a permutation of range(padded_seq_len)
+    document_ids: torch.Tensor  # [S_pad] int64, padded pack order, 0 = padding
+    segments: Segments = field(repr=False)
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_seq_len // self.cp_size
+
+    @property
+    def token_indices(self) -> torch.Tensor:
+        pos = self.slot_positions
+        return torch.where(pos < self.original_seq_len, pos, torch.full_like(pos, -1))
+
+    @property
+    def document_lengths(self) -> list[int]:
+        ids = self.document_ids[: self.original_seq_len]
+        real = ids[ids > 0]
+        return torch.unique_consecutive(real, return_counts=True)[1].tolist()
+
+    def real_tokens_per_rank(self) -> list[int]:
+        return (self.document_ids[self.slot_positions] > 0).sum(dim=1).tolist()
+
+
+def plan_layout(document_ids: torch.Tensor, cp_size: int, strategy: str = "contiguous") -> Layout:
+    """Plan the layout of one pack (given by its document ids, 0 = padding) over `cp_size` ranks."""
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
+    if strategy not in LAYOUT_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not supported; accepted values: {', '.join(LAYOUT_STRATEGIES)}")
+    ids = document_ids.reshape(-1).long().cpu()
+    validate_document_ids(ids)
+    seq_len = ids.numel()
+    s_pad = padded_length(seq_len, cp_size)
+    padded = torch.cat([ids, torch.zeros(s_pad - seq_len, dtype=torch.long)])
+    slots = torch.arange(s_pad).view(cp_size, s_pad // cp_size)
+    return Layout(strategy, cp_size, seq_len, s_pad, slots, padded, Segments.from_document_ids(padded))
+
+
+# --------------------------------------------------------------------------- per-rank attention plan
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank's attention needs, derived once per step from the layout.
+
+    Rows of the gathered K/V tensor are slots in rank-major order. `key_rows` selects the
+    keys this rank's queries may see, ordered by pack position and grouped by segment, as a
+    `(start, stop)` range when they are contiguous (no gather needed) or an index tensor.
+    Query rows are in pack-position order within the rank for every layout we build, which
+    the varlen segment table relies on.
+    """
+
+    rank: int
+    q_positions: torch.Tensor  # [L] padded-pack position of each local row
+    q_segments: torch.Tensor  # [L]
+    key_rows: tuple[int, int] | torch.Tensor
+    k_positions: torch.Tensor  # [K] pack position of each selected key
+    k_segments: torch.Tensor  # [K]
+    cu_seqlens_q: torch.Tensor  # [n+1] int32, per query run of one segment
+    cu_seqlens_k: torch.Tensor  # [n+1] int32, keys of that segment up to the run's last query
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def num_keys(self) -> int:
+        return int(self.k_positions.numel())
+
+
+def plan_rank(layout: Layout, rank: int) -> RankPlan:
+    """Attention plan of `rank`: query segments, the keys they need, and varlen offsets."""
+    seg = layout.segments
+    q_pos = layout.slot_positions[rank]
+    if bool((q_pos[1:] <= q_pos[:-1]).any()):
+        raise ValueError("layout rows of a rank must be in increasing pack order")
+    q_seg = seg.segment_ids[q_pos]
+    # Runs of equal segment among the local queries (sorted, so each segment is one run).
+    change = torch.ones_like(q_seg, dtype=torch.bool)
+    change[1:] = q_seg[1:] != q_seg[:-1]
+    run_first = torch.nonzero(change).reshape(-1)
+    run_last = torch.cat([run_first[1:], torch.tensor([q_pos.numel()])]) - 1
+    q_lens = run_last - run_first + 1
+    key_begin = seg.segment_starts[q_pos[run_first]]
+    key_end = q_pos[run_last] + 1
+    k_lens = key_end - key_begin
+    # Pack positions of every needed key, segment by segment.
+    offsets = torch.repeat_interleave(key_begin - torch.cumsum(k_lens, 0) + k_lens, k_lens)
+    k_pos = torch.arange(int(k_lens.sum())) + offsets
+    slot_of_position = torch.empty(layout.padded_seq_len, dtype=torch.long)
+    slot_of_position[layout.slot_positions.reshape(-1)] = torch.arange(layout.padded_seq_len)
+    rows = slot_of_position[k_pos]
+    if rows.numel() and bool((rows[1:] == rows[:-1] + 1).all()):
+        key_rows: tuple[int, int] | torch.Tensor = (int(rows[0]), int(rows[-1]) + 1)
+    else:
+        key_rows = rows
+    zero = torch.zeros(1, dtype=torch.long)
+    return RankPlan(
+        rank=rank,
+        q_positions=q_pos,
+        q_segments=q_seg,
+        key_rows=key_rows,
+        k_positions=k_pos,
+        k_segments=seg.segment_ids[k_pos],
+        cu_seqlens_q=torch.cat([zero, torch.cumsum(q_lens, 0)]).to(torch.int32),
+        cu_seqlens_k=torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=int(k_lens.max()),
+    )
+
+
+def dense_allowed(q_positions, q_segments, k_positions, k_segments, sliding_window: int | None = None) -> torch.Tensor:
+    """Boolean [Lq, K] mask: same segment, key not after the query, and inside the window if any.
+
+    HF sliding-window semantics: key allowed iff `k > q - W`.
+    """
+    allowed = (q_segments[:, None] == k_segments[None, :]) & (k_positions[None, :] <= q_positions[:, None])
+    if sliding_window is not None:
+        allowed &= k_positions[None, :] > q_positions[:, None] - sliding_window
+    return allowed
+
+
+# --------------------------------------------------------------------------- accounting
+
+
+def allgather_kv_bytes_per_rank(layout: Layout, kv_heads: int, head_dim_k: int, head_dim_v: int, bytes_per_element: int) -> int:
+    """Bytes of K and V one rank receives per layer in the all-gather forward (the backward's reduce-scatter moves the same)."""
+    return (layout.cp_size - 1) * layout.local_len * kv_heads * (head_dim_k + head_dim_v) * bytes_per_element

@@ -1,0 +1,1 @@
+"""Per-family patches for models that need more than the attention interface (see README)."""

@@ -1,0 +1,113 @@
+"""A pool of spawned processes that share one real gloo process group per world size.
+
+Spawning a process re-imports torch and transformers (seconds), so each world size gets one
+group for the whole session and every test case runs inside it. A case is a module-level
+function `case(rank, world_size, group, **kwargs)`; its return values come back as a list
+indexed by rank. A case that raises on any rank fails the test with that rank's traceback;
+a case that does not finish in time kills the pool (the next test starts a fresh one).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import queue
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    group = dist.group.WORLD
+    outbox.put((rank, "ready", None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        module, name, kwargs = job
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            result = fn(rank, world_size, group, **kwargs)
+            outbox.put((rank, "ok", result))
+        except BaseException:  # noqa: BLE001 - every failure must reach the parent
+            outbox.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class CaseFailed(AssertionError):
+    pass
+
+
+class GlooPool:
+    def __init__(self, world_size: int, start_timeout: float = 180.0):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        _, errors = self._collect("start", start_timeout)
+        if errors:
+            self.close(force=True)
+            raise CaseFailed(f"pool start failed: {errors}")
+
+    def _collect(self, what: str, timeout: float):
+        """Wait for one answer per rank: `(results_by_rank, errors_by_rank)`; kill the pool on timeout."""
+        results, errors = {}, {}
+        start = time.monotonic()
+        while len(results) + len(errors) < self.world_size:
+            try:
+                rank, status, payload = self.outbox.get(timeout=max(timeout - (time.monotonic() - start), 0.01))
+            except queue.Empty:
+                self.close(force=True)
+                answered = sorted(set(results) | set(errors))
+                raise CaseFailed(f"{what}: timed out after {timeout:.0f}s; ranks that answered: {answered}; errors: {errors}")
+            (errors if status == "error" else results)[rank] = payload
+        return results, errors
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run_collecting(self, fn, timeout: float = 300.0, **kwargs):
+        """Run module-level `fn(rank, world_size, group, **kwargs)` on every rank; `(results, errors)` by rank."""
+        for inbox in self.inboxes:
+            inbox.put((fn.__module__, fn.__name__, kwargs))
+        return self._collect(f"{fn.__name__}({kwargs})", timeout)
+
+    def run(self, fn, timeout: float = 300.0, **kwargs):
+        """Like `run_collecting`, but raise CaseFailed with every failing rank's traceback."""
+        results, errors = self.run_collecting(fn, timeout, **kwargs)
+        if errors:
+            msg = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise CaseFailed(f"{fn.__name__}({kwargs}) failed on ranks {sorted(errors)}:\n{msg}")
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False):
+        if not force:
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for p in self.procs:
+                p.join(timeout=20)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,94 @@
+"""Tiny models built from configs and the independent reference: the stock model with
+`attn_implementation="eager"` run on every document separately, unpacked."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+import hf_blockdiag_cp as bdcp
+
+VOCAB = 101
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(family: str, **overrides):
+    if family == "llama":
+        cfg = LlamaConfig(**_COMMON)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**_COMMON, use_sliding_window=False)
+    elif family == "mistral":
+        cfg = MistralConfig(**_COMMON, sliding_window=overrides.pop("sliding_window", 4096))
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_models(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """(reference eager model, blockdiag_cp model) with identical weights."""
+    torch.manual_seed(seed)
+    ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager", dtype=dtype)
+    ref.train()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(bdcp.ATTN_IMPLEMENTATION)
+    return ref, model
+
+
+def make_docs(lengths, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+def reference_loss_and_grads(ref, docs):
+    """Mean next-token loss over all documents run separately, and its parameter gradients."""
+    ref.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for d in docs:
+        logits = ref(input_ids=d[None]).logits[0]
+        if d.numel() > 1:
+            total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
+            count += d.numel() - 1
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def mean_over_group(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    t = t.detach().clone().float()
+    if world_size > 1:
+        dist.all_reduce(t, group=group)
+    return t / world_size
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.float().norm()
+    diff = (a.float() - b.float()).norm()
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+def compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size):
+    """Max relative error of the mean-over-ranks loss and of every parameter gradient."""
+    errors = {"loss": rel_err(mean_over_group(loss, group, world_size), ref_loss)}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        errors[name] = rel_err(mean_over_group(g, group, world_size), ref_grads.get(name, torch.zeros_like(p)))
+    return errors
