@@ -4,7 +4,7 @@ sequences in unmodified Hugging Face Transformers models.
 `import hf_blockdiag_cp` registers the attention implementation `"blockdiag_cp"`.
 """
 
-from .batch import make_cp_blockdiag_batch_and_ctx
+from .batch import make_cp_blockdiag_batch_and_ctx, shard_batch
 from .config import CPConfig, configure_cp_varlen
 from .layout import Layout, plan_layout
 from .runtime import blockdiag_cp_attention_forward, cp_blockdiag_sdpa
@@ -26,4 +26,5 @@ __all__ = [
     "current_blockdiag_cp_state",
     "make_cp_blockdiag_batch_and_ctx",
     "plan_layout",
+    "shard_batch",
 ]

@@ -155,10 +155,38 @@ def _pad_seq(t: torch.Tensor, s_pad: int, value, dim: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- the shard step
 
 
-def _prepare(batch, loss_mask, padding_token_id, cp: CPGroup, shard_primary: bool):
-    """Everything that can fail on bad input, done before any collective."""
+SHARD_KEY = "blockdiag_cp_shard"
+_FINGERPRINT = ("padded length", "sequence length", "document ids", "input ids", "label count")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a pre-sharded local batch (e.g. from a DataLoader worker) carries about its full pack."""
+
+    layout: Layout
+    fingerprint: tuple[int, ...]  # same on every rank of the group for the same pack
+    cp_rank: int
+    cp_size: int
+
+
+def shard_batch(
+    batch: dict,
+    cp_size: int,
+    cp_rank: int,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    shard_primary: bool = True,
+    strategy: str = "contiguous",
+) -> dict:
+    """Pure shard step (no process group): the local batch of rank `cp_rank` of `cp_size`.
+
+    The result carries a `ShardInfo` under `SHARD_KEY`, so `make_cp_blockdiag_batch_and_ctx`
+    accepts it as is; this is what lets a collator shard inside DataLoader worker processes.
+    """
     if not isinstance(batch, dict) and not hasattr(batch, "keys"):
         raise TypeError(f"batch must be a dict of tensors; got {type(batch).__name__}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}); got {cp_rank}")
     primary_key, primary = _primary(batch)
     seq_len = primary.shape[1]
     device = primary.device
@@ -170,16 +198,16 @@ def _prepare(batch, loss_mask, padding_token_id, cp: CPGroup, shard_primary: boo
         loss_mask = _row({"loss_mask": loss_mask}, "loss_mask", seq_len)
         if labels is None:
             raise ValueError("loss_mask was given without labels")
-    layout = plan_layout(ids, cp.size)
+    layout = plan_layout(ids, cp_size, strategy)
     s_pad = layout.padded_seq_len
     padded_ids = layout.document_ids
-
-    local: dict[str, Any] = {}
-    rows = layout.slot_positions[cp.rank].to(device)
+    slots = layout.slot_positions[cp_rank]
+    rows = slots.to(device)
 
     def take(t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.index_select(dim, rows)
 
+    local: dict[str, Any] = {}
     for key, value in batch.items():
         if key in _DROPPED_KEYS or key in ("labels", "loss_mask", "document_ids", "position_ids", primary_key):
             continue
@@ -194,7 +222,7 @@ def _prepare(batch, loss_mask, padding_token_id, cp: CPGroup, shard_primary: boo
         pos = positions_from_document_ids(ids).to(device).unsqueeze(0)
     padded_pos = _pad_seq(pos, s_pad, 0, dim=pos.ndim - 1)
     local["position_ids"] = take(padded_pos, padded_pos.ndim - 1) if shard_primary else padded_pos
-    local["document_ids"] = take(padded_ids.to(device).unsqueeze(0), 1)
+    local["document_ids"] = padded_ids[slots].unsqueeze(0).to(device)
 
     global_targets = 0
     if labels is not None:
@@ -203,19 +231,17 @@ def _prepare(batch, loss_mask, padding_token_id, cp: CPGroup, shard_primary: boo
             lab = torch.where(loss_mask.reshape(-1).cpu().bool(), lab, torch.full_like(lab, IGNORE_INDEX))
         shifted = shifted_labels(_pad_seq(lab, s_pad, IGNORE_INDEX, dim=0), padded_ids)
         global_targets = int((shifted != IGNORE_INDEX).sum())
-        local_shifted = shifted[layout.slot_positions[cp.rank]].unsqueeze(0).to(device)
+        local_shifted = shifted[slots].unsqueeze(0).to(device)
         local["labels"] = local_shifted
         local["shift_labels"] = local_shifted
         local["loss_mask"] = local_shifted != IGNORE_INDEX
         # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
-        local["num_items_in_batch"] = max(global_targets, 1) / cp.size
+        local["num_items_in_batch"] = max(global_targets, 1) / cp_size
     local["use_cache"] = False
-    fingerprint = [s_pad, seq_len, checksum(padded_ids), checksum(primary) if primary_key == "input_ids" else primary.shape[-1],
-                   global_targets]
-    return layout, local, fingerprint
-
-
-_FINGERPRINT = ["padded length", "sequence length", "document ids", "input ids", "label count"]
+    primary_sum = checksum(primary) if primary_key == "input_ids" else primary.shape[-1]
+    fingerprint = (s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets)
+    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size)
+    return local
 
 
 def make_cp_blockdiag_batch_and_ctx(
@@ -225,35 +251,48 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
+    strategy: str = "contiguous",
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
-    """Shard one packed batch for this CP rank.
+    """Shard one packed batch for this CP rank and build the step's attention state.
 
-    Returns `(train_ctx, local_batch, layout)`: run `model(**local_batch)` and its backward
-    inside `with train_ctx():`. `tp_mesh` is accepted for API symmetry; tensor parallelism
-    splits heads, which block-diagonal CP leaves alone.
+    Every rank of the CP group calls this with the same full pack (or with the output of
+    `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
+    `model(**local_batch)` and its backward inside `with train_ctx():`. `tp_mesh` is accepted
+    for API symmetry; tensor parallelism splits heads, which block-diagonal CP leaves alone.
     """
     del tp_mesh
     cp = resolve_cp_group(cp_mesh)
     error: BaseException | None = None
-    layout = local = None
-    fingerprint = [0] * len(_FINGERPRINT)
+    local = None
+    fingerprint: tuple[int, ...] = (0,) * len(_FINGERPRINT)
     try:
-        layout, local, fingerprint = _prepare(batch, loss_mask, padding_token_id, cp, shard_primary)
+        if SHARD_KEY in batch:
+            local = dict(batch)
+            info = local[SHARD_KEY]
+            if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
+                raise ValueError(
+                    f"batch was sharded for CP rank {info.cp_rank} of {info.cp_size}, but this process is rank "
+                    f"{cp.rank} of {cp.size} in cp_mesh"
+                )
+        else:
+            local = shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy)
+        fingerprint = local[SHARD_KEY].fingerprint
     except (ValueError, TypeError) as exc:
         error = exc
     config = current_config()
-    agreement = agree(cp.group, error is not None, fingerprint)
+    agreement = agree(cp.group, error is not None, list(fingerprint))
     if error is not None:
         raise error
     if agreement.any_failed:
         raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
-    differing = agreement.disagreeing(_FINGERPRINT)
+    differing = agreement.disagreeing(list(_FINGERPRINT))
     if differing:
         raise RuntimeError(
             "blockdiag_cp: the ranks of one CP group received different packs (they differ in "
             f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
             "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
         )
+    layout = local.pop(SHARD_KEY).layout
     exchange = "allgather" if config.kv_exchange == "auto" else config.kv_exchange
     if exchange != "allgather":
         raise NotImplementedError(f"kv_exchange={config.kv_exchange!r} is not implemented yet; use 'allgather' or 'auto'")
