@@ -1,0 +1,146 @@
+"""Packing collator: the documents of one pack in, one fixed-size packed row out.
+
+The output follows Hugging Face's packed convention (what `DataCollatorWithFlattening`
+emits) plus `document_ids`, padded to exactly `max_tokens` so every pack has one shape
+(compile caches stay warm). With `cp_rank` set it also runs the pure shard step, so the
+sharding happens in DataLoader worker processes; the collator holds only plain settings
+(no process group), so it pickles.
+
+Choosing *which* documents form a pack is the sampler's job (`hf_blockdiag_cp.data`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .batch import IGNORE_INDEX, shard_batch
+
+OVERSIZE_POLICIES = ("split", "reject")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return value
+
+
+def _token_row(example_index: int, key: str, value) -> torch.Tensor:
+    """A document's `input_ids` or `labels` as a 1-D int64 CPU tensor."""
+    try:
+        row = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"examples[{example_index}][{key!r}] must be a list or 1-D tensor of token ids; {exc}") from None
+    if row.ndim != 1:
+        raise ValueError(f"examples[{example_index}][{key!r}] must be 1-D; got shape {tuple(row.shape)}")
+    if row.numel() and (row.dtype.is_floating_point or row.dtype.is_complex or row.dtype == torch.bool):
+        raise ValueError(f"examples[{example_index}][{key!r}] must hold integer token ids; got dtype {row.dtype}")
+    return row.to(device="cpu", dtype=torch.long)
+
+
+class BlockdiagCPCollator:
+    """Collate the documents of ONE pack into `input_ids`, `labels`, `position_ids`, `document_ids` [1, max_tokens].
+
+    - `labels` are unshifted (the shard step shifts them per document); an example without
+      `labels` is trained on all its tokens; padding is -100.
+    - `position_ids` restart at 0 for every document (and for the padding run).
+    - `document_ids` are 1-based in pack order; 0 marks padding.
+    - A document longer than `max_tokens`: `oversize="split"` cuts it into `max_tokens`-sized
+      documents, `"reject"` raises. The pieces must still fit the one pack, so a sampler that
+      may meet long documents must give each piece its own pack (`PackedBatchSampler` does).
+    - `cp_rank` set: return `shard_batch(pack, cp_size, cp_rank)`, this rank's local batch,
+      which `make_cp_blockdiag_batch_and_ctx` accepts as is.
+
+    Keys other than `input_ids` and `labels` are ignored.
+    """
+
+    def __init__(
+        self,
+        max_tokens: int,
+        pad_token_id: int = 0,
+        cp_size: int = 1,
+        cp_rank: int | None = None,
+        oversize: str = "split",
+    ):
+        _positive_int("max_tokens", max_tokens)
+        _positive_int("cp_size", cp_size)
+        if max_tokens % (2 * cp_size):
+            raise ValueError(
+                f"max_tokens must be a multiple of 2*cp_size = {2 * cp_size} (so packs shard evenly); got {max_tokens}"
+            )
+        if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or pad_token_id < 0:
+            raise ValueError(f"pad_token_id must be a non-negative integer; got {pad_token_id!r}")
+        if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
+            raise ValueError(f"cp_rank must be None or an integer in [0, cp_size={cp_size}); got {cp_rank!r}")
+        if oversize not in OVERSIZE_POLICIES:
+            raise ValueError(f"oversize must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}; got {oversize!r}")
+        self.max_tokens = max_tokens
+        self.pad_token_id = pad_token_id
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.oversize = oversize
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(max_tokens={self.max_tokens}, pad_token_id={self.pad_token_id}, "
+            f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, oversize={self.oversize!r})"
+        )
+
+    def documents(self, examples: Sequence[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(input_ids, labels)` per document of the pack, oversized examples split (or rejected)."""
+        if isinstance(examples, dict) or not isinstance(examples, Sequence):
+            raise TypeError(f"examples must be a list of dicts (the documents of one pack); got {type(examples).__name__}")
+        if not examples:
+            raise ValueError("examples is empty: a pack needs at least one document")
+        docs = []
+        for i, example in enumerate(examples):
+            if not hasattr(example, "keys") or "input_ids" not in example:
+                raise ValueError(f"examples[{i}] must be a dict with 'input_ids'; got {type(example).__name__}")
+            ids = _token_row(i, "input_ids", example["input_ids"])
+            if bool((ids < 0).any()):
+                raise ValueError(f"examples[{i}]['input_ids'] must be non-negative token ids")
+            labels = example.get("labels")
+            labels = ids if labels is None else _token_row(i, "labels", labels)
+            if labels.numel() != ids.numel():
+                raise ValueError(
+                    f"examples[{i}]['labels'] has {labels.numel()} entries; expected {ids.numel()} (one per input_ids token)"
+                )
+            if ids.numel() > self.max_tokens and self.oversize == "reject":
+                raise ValueError(
+                    f"examples[{i}] has {ids.numel()} tokens, more than max_tokens={self.max_tokens} "
+                    "(oversize='reject'); use oversize='split' or filter long documents out"
+                )
+            for start in range(0, ids.numel(), self.max_tokens):
+                docs.append((ids[start : start + self.max_tokens], labels[start : start + self.max_tokens]))
+        return docs
+
+    def pack(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        """The full pack (not sharded): tensors [1, max_tokens]."""
+        docs = self.documents(examples)
+        total = sum(ids.numel() for ids, _ in docs)
+        if total > self.max_tokens:
+            raise ValueError(
+                f"the {len(examples)} examples hold {total} tokens, more than max_tokens={self.max_tokens}: a call "
+                "collates ONE pack (each piece of a split document counts). Choose the documents of each pack with "
+                "hf_blockdiag_cp.PackedBatchSampler / packed_dataloader"
+            )
+        pad = self.max_tokens - total
+        lengths = [ids.numel() for ids, _ in docs] + [pad]
+        input_ids = torch.cat([ids for ids, _ in docs] + [torch.full((pad,), self.pad_token_id, dtype=torch.long)])
+        labels = torch.cat([lab for _, lab in docs] + [torch.full((pad,), IGNORE_INDEX, dtype=torch.long)])
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        doc_ids = torch.repeat_interleave(torch.arange(1, len(docs) + 1), torch.tensor(lengths[:-1], dtype=torch.long))
+        doc_ids = torch.cat([doc_ids, torch.zeros(pad, dtype=torch.long)])
+        return {
+            "input_ids": input_ids.unsqueeze(0),
+            "labels": labels.unsqueeze(0),
+            "position_ids": positions.unsqueeze(0),
+            "document_ids": doc_ids.unsqueeze(0),
+        }
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, Any]:
+        full = self.pack(examples)
+        if self.cp_rank is None:
+            return full
+        return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id)
