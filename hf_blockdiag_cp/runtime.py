@@ -46,24 +46,28 @@ def _check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None
 
 def blockdiag_attention(step: CPStep, query, key, value, *, scale: float | None, sliding_window: int | None):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]."""
-    head_dim_k, head_dim_v = query.shape[-1], value.shape[-1]
-    kernel_name = step.cached(
-        ("kernel", query.device, query.dtype, head_dim_k, head_dim_v),
-        lambda: choose_kernel(step.attn_backend, query.device, query.dtype, head_dim_k, head_dim_v),
-    )
-    q = query[0].transpose(0, 1)
     k, v = exchange_kv(step.kv_exchange, key[0].transpose(0, 1), value[0].transpose(0, 1), step.group, step.world_size)
+    out = local_attention(step, query[0].transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window)
+    step.attention_calls += 1
+    return out.unsqueeze(0)
+
+
+def local_attention(step: CPStep, q, exchanged_k, exchanged_v, *, scale: float | None, sliding_window: int | None):
+    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv]."""
+    head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
+    kernel_name = step.cached(
+        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v),
+        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v),
+    )
     plan = step.plan
     if plan.key_range is not None:
         start, stop = plan.key_range
-        k, v = k[start:stop], v[start:stop]
+        k, v = exchanged_k[start:stop], exchanged_v[start:stop]
     else:
-        k, v = k.index_select(0, plan.key_index), v.index_select(0, plan.key_index)
+        k, v = exchanged_k.index_select(0, plan.key_index), exchanged_v.index_select(0, plan.key_index)
     if scale is None:
         scale = head_dim_k**-0.5
-    out = KERNELS[kernel_name](q, k, v, step, scale=scale, sliding_window=sliding_window)
-    step.attention_calls += 1
-    return out.unsqueeze(0)
+    return KERNELS[kernel_name](q, k, v, step, scale=scale, sliding_window=sliding_window)
 
 
 def blockdiag_cp_attention_forward(
