@@ -22,10 +22,9 @@ from .layout import (
     document_ids_from_cu_seqlens,
     document_ids_from_position_ids,
     plan_layout,
-    plan_rank,
     validate_document_ids,
 )
-from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, activate
+from .state import STEP_KWARG, CPStep, activate
 
 IGNORE_INDEX = -100
 
@@ -297,19 +296,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if exchange != "allgather":
         raise NotImplementedError(f"kv_exchange={config.kv_exchange!r} is not implemented yet; use 'allgather' or 'auto'")
     device = local["position_ids"].device
-    rank_plan = plan_rank(layout, cp.rank)
-    boundaries = layout.segments.boundaries
-    step = CPStep(
-        group=cp.group,
-        rank=cp.rank,
-        world_size=cp.size,
-        layout=layout,
-        rank_plan=rank_plan,
-        plan=DevicePlan.from_rank_plan(rank_plan, device),
-        attn_backend=config.attn_backend,
-        kv_exchange=exchange,
-        model_state=BlockdiagCpModelState(cp.group, boundaries.to(device), boundaries),
-    )
+    step = CPStep.for_rank(layout, cp.rank, cp.group, device, config.attn_backend, exchange)
     local[STEP_KWARG] = step
 
     @contextlib.contextmanager

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .layout import Layout, RankPlan
+from .layout import Layout, RankPlan, plan_rank
 
 STEP_KWARG = "blockdiag_cp_step"
 
@@ -85,6 +85,23 @@ class CPStep:
     model_state: BlockdiagCpModelState
     attention_calls: int = 0
     mask_cache: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def for_rank(layout: Layout, rank: int, group, device: torch.device, attn_backend: str, kv_exchange: str) -> "CPStep":
+        """Plan rank `rank`'s attention for this layout and move the plan to `device` (once per step)."""
+        rank_plan = plan_rank(layout, rank)
+        boundaries = layout.segments.boundaries
+        return CPStep(
+            group=group,
+            rank=rank,
+            world_size=layout.cp_size,
+            layout=layout,
+            rank_plan=rank_plan,
+            plan=DevicePlan.from_rank_plan(rank_plan, device),
+            attn_backend=attn_backend,
+            kv_exchange=kv_exchange,
+            model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries),
+        )
 
     @property
     def local_len(self) -> int:
