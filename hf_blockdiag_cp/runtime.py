@@ -7,24 +7,64 @@ entry points are exactly Transformers' `sdpa` / `F.scaled_dot_product_attention`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .exchange import exchange_kv
-from .kernels import KERNELS, choose_kernel
+from .kernels.dense import attention_with_features
+from .kernels import KERNELS, ROW_KERNELS, choose_kernel
 from .state import STEP_KWARG, CPStep, active_step
 
-# Keyword arguments a model may send that change the attention function; each needs kernel
-# support before it can be accepted during a step (never silently ignored, I7).
-_UNSUPPORTED_FEATURES = ("softcap", "s_aux")
+# Keyword arguments a model may send that change the attention function and that no kernel
+# implements; accepting them silently would train a wrong model (I7).
+_UNSUPPORTED_FEATURES = {
+    "position_bias": "an additive position bias (T5-style relative attention bias)",
+    "sinks": "per-token attention sinks (a sink logit per query)",
+    "indices": "sparse attention indices (DeepSeek-V3.2-style indexer)",
+}
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What one attention call asks for beyond block-causal softmax; kernels must implement each."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # [H] one extra logit per query head (GPT-OSS `s_aux`)
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(n for n, v in (("softcap", self.softcap), ("sinks", self.sinks)) if v is not None)
+
+    def kernel_kwargs(self) -> dict:
+        """Only the features in use, so kernels without them keep the plain signature."""
+        return {n: getattr(self, n) for n in sorted(self.names)}
+
+
+def attention_features(query: torch.Tensor, kwargs: dict) -> AttentionFeatures:
+    """Read and check `softcap` (Gemma2) and `s_aux` (GPT-OSS sinks) from an attention call's kwargs."""
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+            raise ValueError(f"blockdiag_cp: softcap must be a positive number or None; got {softcap!r}")
+        softcap = float(softcap)
+    if sinks is not None:
+        heads = query.shape[1]
+        if not isinstance(sinks, torch.Tensor) or sinks.numel() != heads:
+            raise ValueError(
+                f"blockdiag_cp: s_aux (attention sinks) must be a tensor with one value per query head ({heads}); "
+                f"got {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}"
+            )
+    return AttentionFeatures(softcap, sinks)
 
 
 def _check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None:
-    for name in _UNSUPPORTED_FEATURES:
+    for name, what in _UNSUPPORTED_FEATURES.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
-                f"blockdiag_cp: attention argument {name!r} is not supported during a CP step yet; "
+                f"blockdiag_cp: attention argument {name!r} ({what}) is not supported during a CP step; "
                 "the model would be trained with wrong attention. Use a model without it or disable CP."
             )
     if dropout:
@@ -44,30 +84,58 @@ def _check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None
         raise ValueError(f"blockdiag_cp: {query.shape[1]} query heads are not a multiple of {key.shape[1]} key heads")
 
 
-def blockdiag_attention(step: CPStep, query, key, value, *, scale: float | None, sliding_window: int | None):
+def blockdiag_attention(
+    step: CPStep,
+    query,
+    key,
+    value,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    features: AttentionFeatures = AttentionFeatures(),
+):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]."""
     k, v = exchange_kv(step.kv_exchange, key[0].transpose(0, 1), value[0].transpose(0, 1), step.group, step.world_size)
-    out = local_attention(step, query[0].transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window)
+    out = local_attention(
+        step, query[0].transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window, features=features
+    )
     step.attention_calls += 1
     return out.unsqueeze(0)
 
 
-def local_attention(step: CPStep, q, exchanged_k, exchanged_v, *, scale: float | None, sliding_window: int | None):
-    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv]."""
-    head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
-    kernel_name = step.cached(
-        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v),
-        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v),
-    )
-    plan = step.plan
+def needed_keys(plan, rows_k, rows_v):
+    """The keys this rank's queries may see, in the plan's key order, from the exchange's rows."""
     if plan.key_range is not None:
         start, stop = plan.key_range
-        k, v = exchanged_k[start:stop], exchanged_v[start:stop]
+        return rows_k[start:stop], rows_v[start:stop]
+    return rows_k.index_select(0, plan.key_index), rows_v.index_select(0, plan.key_index)
+
+
+def local_attention(
+    step: CPStep,
+    q,
+    exchanged_k,
+    exchanged_v,
+    *,
+    scale: float | None,
+    sliding_window: int | None,
+    features: AttentionFeatures = AttentionFeatures(),
+):
+    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv]."""
+    head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
+    # The kernel is chosen per layer kind: a softcapped or sink layer may need another kernel.
+    names = features.names
+    kernel_name = step.cached(
+        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names),
+        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names),
+    )
+    if kernel_name in ROW_KERNELS:
+        k, v = exchanged_k, exchanged_v
     else:
-        k, v = exchanged_k.index_select(0, plan.key_index), exchanged_v.index_select(0, plan.key_index)
+        k, v = needed_keys(step.plan, exchanged_k, exchanged_v)
     if scale is None:
         scale = head_dim_k**-0.5
-    return KERNELS[kernel_name](q, k, v, step, scale=scale, sliding_window=sliding_window)
+    return KERNELS[kernel_name](q, k, v, step, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
 
 
 def blockdiag_cp_attention_forward(
@@ -85,12 +153,57 @@ def blockdiag_cp_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    features = attention_features(query, kwargs)
     if step is None or not is_causal:
         # Outside a step, or a bidirectional call (vision tower): stock SDPA, never sharded.
+        if features.names:  # SDPA has no softcap (it raises) and no sinks (it would ignore them)
+            return _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    check_model_support(step, module)
     _check_call(step, query, key, value, dropout, kwargs)
-    out = blockdiag_attention(step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"))
+    out = blockdiag_attention(
+        step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"), features=features
+    )
     return out, None
+
+
+def check_model_support(step: CPStep, module: torch.nn.Module) -> None:
+    """Raise (once per step and module class) if this model type bypasses the interface or lacks its patch."""
+    from model_patches import check_attention_module  # lazy: model_patches imports this package
+
+    step.cached(("model_support", type(module)), lambda: check_attention_module(module) or True)
+
+
+def _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features):
+    """Non-step call with softcap / sinks: the same math as the model's eager path, over its own mask."""
+    if dropout and module.training:
+        raise NotImplementedError(f"blockdiag_cp: attention dropout ({dropout}) with softcap or sinks is not supported")
+    q_len, k_len = query.shape[2], key.shape[2]
+    allowed = bias = None
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :k_len]
+        if mask.dtype == torch.bool:
+            allowed = mask
+        else:
+            bias = mask
+    elif is_causal and q_len > 1:
+        allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    outs = []
+    for b in range(query.shape[0]):
+        outs.append(
+            attention_with_features(
+                query[b],
+                key[b],
+                value[b],
+                None if allowed is None else allowed[b if allowed.shape[0] > 1 else 0],
+                bias=None if bias is None else bias[b if bias.shape[0] > 1 else 0],
+                scale=scale,
+                softcap=features.softcap,
+                sinks=features.sinks,
+            )
+        )
+    return torch.stack(outs).transpose(1, 2).contiguous(), None
 
 
 def cp_blockdiag_sdpa(

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from .exchange import ExchangeMeter
+from .exchange_plan import NEEDED_ONLY, ExchangePlan, RankRoutes, needed_rank_plan, plan_exchange, rank_routes
 from .layout import Layout, RankPlan, plan_rank
 
 STEP_KWARG = "blockdiag_cp_step"
@@ -49,9 +51,14 @@ class DevicePlan:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    # Pack position and segment of every row the exchange returns (all slots for all-gather).
+    # Kernels that skip masked blocks themselves (flex) attend over these rows unsliced, so
+    # their shapes stay constant from step to step and compiled kernels are reused.
+    row_positions: torch.Tensor
+    row_segments: torch.Tensor
 
     @staticmethod
-    def from_rank_plan(plan: RankPlan, device: torch.device) -> "DevicePlan":
+    def from_rank_plan(plan: RankPlan, device: torch.device, row_positions: torch.Tensor, row_segments: torch.Tensor) -> "DevicePlan":
         def to(t):
             return t.to(device, non_blocking=True)
 
@@ -67,6 +74,8 @@ class DevicePlan:
             cu_seqlens_k=to(plan.cu_seqlens_k),
             max_seqlen_q=plan.max_seqlen_q,
             max_seqlen_k=plan.max_seqlen_k,
+            row_positions=to(row_positions),
+            row_segments=to(row_segments),
         )
 
 
@@ -85,11 +94,31 @@ class CPStep:
     model_state: BlockdiagCpModelState
     attention_calls: int = 0
     mask_cache: dict = field(default_factory=dict, repr=False)
+    exchange_plan: ExchangePlan | None = None  # needed keys and traffic of every rank (see exchange_plan)
+    kv_routes: RankRoutes | None = None  # this rank's halo / a2a tables on the device (None for allgather)
+    exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
 
     @staticmethod
-    def for_rank(layout: Layout, rank: int, group, device: torch.device, attn_backend: str, kv_exchange: str) -> "CPStep":
+    def for_rank(
+        layout: Layout,
+        rank: int,
+        group,
+        device: torch.device,
+        attn_backend: str,
+        kv_exchange: str,
+        exchange_plan: ExchangePlan | None = None,
+    ) -> "CPStep":
         """Plan rank `rank`'s attention for this layout and move the plan to `device` (once per step)."""
-        rank_plan = plan_rank(layout, rank)
+        routes = None
+        if kv_exchange in NEEDED_ONLY:
+            # The exchange returns exactly the needed keys, in the needed plan's key order.
+            exchange_plan = exchange_plan if exchange_plan is not None else plan_exchange(layout)
+            rank_plan = needed_rank_plan(layout, exchange_plan, rank)
+            routes = rank_routes(layout, exchange_plan, rank).to(device)
+            rows = rank_plan.k_positions
+        else:
+            rank_plan = plan_rank(layout, rank)
+            rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
         boundaries = layout.segments.boundaries
         return CPStep(
             group=group,
@@ -97,10 +126,12 @@ class CPStep:
             world_size=layout.cp_size,
             layout=layout,
             rank_plan=rank_plan,
-            plan=DevicePlan.from_rank_plan(rank_plan, device),
+            plan=DevicePlan.from_rank_plan(rank_plan, device, rows, layout.segments.segment_ids[rows]),
             attn_backend=attn_backend,
             kv_exchange=kv_exchange,
             model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries),
+            exchange_plan=exchange_plan,
+            kv_routes=routes,
         )
 
     @property

@@ -21,14 +21,38 @@ KERNELS: dict[str, Callable] = {
     "varlen": varlen_attention_kernel,
 }
 
+# Kernels that take every row the exchange returns (and mask by position themselves) instead of
+# the needed keys only: constant shapes step to step, so compiled kernels are reused.
+ROW_KERNELS = frozenset({"flex"})
+
+# Attention features beyond block-causal softmax that a layer may ask for (see runtime), and
+# the kernels that implement each. A kernel missing one of a layer's features is skipped by
+# `auto` for that layer and refused when chosen explicitly.
+FEATURES = ("softcap", "sinks")
+KERNEL_FEATURES: dict[str, frozenset[str]] = {
+    "dense": frozenset({"softcap", "sinks"}),
+    "flex": frozenset({"softcap", "sinks"}),  # sinks via the returned log-sum-exp
+    "varlen": frozenset(),
+}
+
 # Preference of `auto` on CUDA with half precision (see README, Performance).
 _AUTO_ORDER_CUDA = ("varlen", "flex", "dense")
 
 
-def unsupported_reason(name: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
-    """Why kernel `name` cannot run this attention call, or None if it can."""
+def unsupported_reason(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim_k: int,
+    head_dim_v: int,
+    features: frozenset[str] = frozenset(),
+) -> str | None:
+    """Why kernel `name` cannot run this attention call (with these `features`), or None if it can."""
     if name not in KERNELS:
         return f"attn_backend={name!r} is not available in this installation (available: {', '.join(KERNELS)})"
+    missing = sorted(set(features) - KERNEL_FEATURES.get(name, frozenset()))
+    if missing:
+        return f"the {name} kernel does not implement {' and '.join(missing)}, which this attention layer uses"
     if name == "varlen":
         if not _varlen.available():
             return "torch.nn.attention.varlen is not available in this torch build"
@@ -43,16 +67,26 @@ def unsupported_reason(name: str, device: torch.device, dtype: torch.dtype, head
     return None
 
 
-def choose_kernel(requested: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str:
-    """Resolve `auto` to a kernel, or check an explicit choice; raise a clear error if it cannot run."""
+def choose_kernel(
+    requested: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim_k: int,
+    head_dim_v: int,
+    features: frozenset[str] = frozenset(),
+) -> str:
+    """Resolve `auto` to a kernel for one layer's call, or check an explicit choice; raise a clear error if it cannot run."""
+    unknown = sorted(set(features) - set(FEATURES))
+    if unknown:
+        raise ValueError(f"unknown attention features {unknown}; known: {', '.join(FEATURES)}")
     if requested != "auto":
-        reason = unsupported_reason(requested, device, dtype, head_dim_k, head_dim_v)
+        reason = unsupported_reason(requested, device, dtype, head_dim_k, head_dim_v, features)
         if reason is not None:
             raise ValueError(f"attn_backend={requested!r} cannot run here: {reason}")
         return requested
     # FlexAttention has no backward on CPU, so CPU training must use the dense kernel.
     order = _AUTO_ORDER_CUDA if device.type == "cuda" else ("dense",)
     for name in order:
-        if unsupported_reason(name, device, dtype, head_dim_k, head_dim_v) is None:
+        if unsupported_reason(name, device, dtype, head_dim_k, head_dim_v, features) is None:
             return name
     return "dense"

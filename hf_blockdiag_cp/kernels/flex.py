@@ -3,6 +3,10 @@
 The block mask is built once per step and sliding window (first layer), then reused by
 every layer and by recompute. On CUDA both the mask builder and the kernel are compiled
 once per process; FlexAttention has no CPU backward, so `auto` never picks it on CPU.
+
+A logit softcap (Gemma2) is a `score_mod`. Attention sinks (GPT-OSS) cannot be a
+`score_mod` (they add a logit that has no key), so the kernel returns its log-sum-exp and
+rescales the output by `exp(lse - logaddexp(lse, sink)) = sigmoid(lse - sink)`.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 from ..state import CPStep
 
@@ -33,22 +37,46 @@ def _mask_mod(q_pos, q_seg, k_pos, k_seg, sliding_window):
 def build_block_mask(step: CPStep, sliding_window: int | None):
     plan = step.plan
     device = plan.q_positions.device
-    mask_mod = _mask_mod(plan.q_positions, plan.q_segments, plan.k_positions, plan.k_segments, sliding_window)
+    mask_mod = _mask_mod(plan.q_positions, plan.q_segments, plan.row_positions, plan.row_segments, sliding_window)
     return create_block_mask(
         mask_mod,
         None,
         None,
         plan.q_positions.numel(),
-        plan.k_positions.numel(),
+        plan.row_positions.numel(),
         device=device,
         _compile=device.type == "cuda",
     )
 
 
-def flex_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_window: int | None) -> torch.Tensor:
-    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    # One function object per value: compiled kernels guard on the score_mod's identity.
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def flex_attention_kernel(
+    q,
+    k,
+    v,
+    step: CPStep,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [L,H,Dk], k/v: every exchange row [R,Hkv,D] (masked by pack position) -> [L,H,Dv]."""
     block_mask = step.cached(("flex", sliding_window), lambda: build_block_mask(step, sliding_window))
     fn = _compiled_flex() if q.is_cuda else flex_attention
+    extra = {}
+    if softcap is not None:
+        extra["score_mod"] = _softcap_score_mod(float(softcap))
+    if sinks is not None:
+        extra["return_aux"] = AuxRequest(lse=True)
     out = fn(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
@@ -56,5 +84,10 @@ def flex_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_window
         block_mask=block_mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
+        **extra,
     )
+    if sinks is not None:
+        out, aux = out
+        lse = aux.lse[0].float()  # [H, L], natural log
+        out = out * torch.sigmoid(lse - sinks.float().reshape(-1, 1)).unsqueeze(-1).to(out.dtype)
     return out[0].transpose(0, 1)

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m hf_blockdiag_cp.bench {kernels,model,ranks}` (see README, Performance)."""

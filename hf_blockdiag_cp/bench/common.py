@@ -1,0 +1,119 @@
+"""Shared pieces of the benchmarks: pack sampling, FLOP accounting, timing and output.
+
+Useful FLOPs count only the block-causal area: forward 4·H·D·Σ l(l+1)/2 (two matmuls of
+2·D FLOPs per allowed query-key pair), forward+backward 3.5× forward.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+def lognormal_lengths(total: int, mean: float, sigma: float = 1.0, seed: int = 0, cap: int | None = None) -> list[int]:
+    """Document lengths drawn log-normally with the given mean, cut so they sum exactly to `total`."""
+    g = torch.Generator().manual_seed(seed)
+    mu = math.log(mean) - sigma**2 / 2
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        n = int(math.exp(mu + sigma * float(torch.randn(1, generator=g))))
+        n = max(1, min(n, cap or total))
+        lengths.append(min(n, total - sum(lengths)))
+    return lengths
+
+
+def histogram_lengths(csv_path: str | os.PathLike, total: int, seed: int = 0, cap_fraction: float = 0.25) -> list[int]:
+    """Lengths sampled from a histogram CSV (`range,number,...` rows like "[11, 50]"), each capped
+    at `cap_fraction` of the pack and uniform within its bucket, cut to sum exactly to `total`."""
+    buckets, weights = [], []
+    with open(csv_path) as f:
+        for row in csv.DictReader(f):
+            lo, hi = (int(x) for x in row["range"].strip("[] ").split(","))
+            buckets.append((max(lo, 1), hi))
+            weights.append(float(row["number"]))
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.tensor(weights) / sum(weights)
+    cap = max(1, int(total * cap_fraction))
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lo, hi = buckets[int(torch.multinomial(probs, 1, generator=g))]
+        n = int(torch.randint(lo, hi + 1, (1,), generator=g))
+        lengths.append(min(n, cap, total - sum(lengths)))
+    return lengths
+
+
+def document_ids_for(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(1, len(lengths) + 1), torch.tensor(lengths))
+
+
+def causal_pairs(lengths: list[int]) -> int:
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def attention_flops(lengths: list[int], heads: int, head_dim: int, backward: bool = True) -> float:
+    fwd = 4.0 * heads * head_dim * causal_pairs(lengths)
+    return fwd * 3.5 if backward else fwd
+
+
+@dataclass
+class Timing:
+    first_ms: float
+    median_ms: float
+    runs: list[float] = field(default_factory=list)
+
+
+def time_cuda(fn: Callable[[], None], warmup: int = 2, reps: int = 5) -> Timing:
+    """First call (compilation, mask building) timed alone, then the median of `reps` after `warmup`."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    first = (time.perf_counter() - t0) * 1e3
+    for _ in range(max(0, warmup - 1)):
+        fn()
+    runs = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        runs.append((time.perf_counter() - t0) * 1e3)
+    return Timing(first, statistics.median(runs), runs)
+
+
+def environment() -> dict:
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+    return env
+
+
+def write_json(path: str | os.PathLike, payload) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+    return str(v)

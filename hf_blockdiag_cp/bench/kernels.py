@@ -1,0 +1,168 @@
+"""`bench kernels`: local attention fwd+bwd on one packed row, one GPU.
+
+Compares our entry point per backend (`blockdiag_attention` on a cp=1 step: plan lookup,
+key selection and the kernel) with the raw kernel it wraps, the dense-mask SDPA path that
+stock Transformers takes on packed rows, and SDPA on one causal document as a rate ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from ..runtime import blockdiag_attention
+from ..state import STEP_KWARG
+from .common import (
+    attention_flops,
+    document_ids_for,
+    environment,
+    histogram_lengths,
+    lognormal_lengths,
+    markdown_table,
+    time_cuda,
+    write_json,
+)
+
+
+def _step_for(doc_ids: torch.Tensor, backend: str, device):
+    configure_cp_varlen(backend, "allgather")
+    batch = {"input_ids": torch.zeros(1, doc_ids.numel(), dtype=torch.long, device=device), "document_ids": doc_ids[None].to(device)}
+    _, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    configure_cp_varlen()
+    return local[STEP_KWARG]
+
+
+def _raw_flex(doc_ids, q, k, v):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    docs = doc_ids.to(q.device)
+
+    def mask_mod(b, h, qi, ki):
+        return (docs[qi] == docs[ki]) & (ki <= qi)
+
+    bm = create_block_mask(mask_mod, None, None, docs.numel(), docs.numel(), device=q.device, _compile=True)
+    fn = torch.compile(flex_attention, dynamic=False)
+    return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
+
+
+def _raw_varlen(lengths, q, k, v):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    cu = cu.to(q.device)
+    m = max(lengths)
+    q3, k3, v3 = (t[0].transpose(0, 1).contiguous().detach().requires_grad_() for t in (q, k, v))
+    return lambda: varlen_attn(q3, k3, v3, cu, cu, m, m, window_size=(-1, 0))
+
+
+def _dense(doc_ids, q, k, v):
+    docs = doc_ids.to(q.device)
+    idx = torch.arange(docs.numel(), device=q.device)
+    mask = (docs[:, None] == docs[None, :]) & (idx[None, :] <= idx[:, None])
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for seq_len in args.seq_lens:
+        if args.lengths_csv:
+            lengths = histogram_lengths(args.lengths_csv, seq_len, seed=args.seed)
+        else:
+            lengths = lognormal_lengths(seq_len, mean=args.mean_doc_len, seed=args.seed)
+        doc_ids = document_ids_for(lengths)
+        useful = attention_flops(lengths, args.heads, args.head_dim)
+        g = torch.Generator(device=device).manual_seed(args.seed)
+
+        def rand(h):
+            return torch.randn(1, h, seq_len, args.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+
+        q, k, v = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
+        grad = torch.randn(1, args.heads, seq_len, args.head_dim, device=device, dtype=dtype, generator=g)
+        methods = {}
+        for backend in args.backends:
+            step = _step_for(doc_ids, backend, device)
+            methods[f"ours/{backend}"] = (lambda step=step: blockdiag_attention(step, q, k, v, scale=None, sliding_window=None), useful)
+        if "flex" in args.backends:
+            methods["raw/flex"] = (_raw_flex(doc_ids, q, k, v), useful)
+        if "varlen" in args.backends:
+            methods["raw/varlen"] = (_raw_varlen(lengths, q, k, v), useful)
+        if seq_len <= args.dense_max_len:
+            methods["dense-mask sdpa"] = (_dense(doc_ids, q, k, v), useful)
+        methods["sdpa one causal doc (ceiling)"] = (
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+            attention_flops([seq_len], args.heads, args.head_dim),
+        )
+        for name, (fn, flops) in methods.items():
+            def fwd_bwd(fn=fn):
+                out = fn()
+                if out.shape != grad.shape:
+                    out = out.reshape(1, seq_len, args.heads, args.head_dim).transpose(1, 2)
+                out.backward(grad)
+
+            t = time_cuda(fwd_bwd, warmup=args.warmup, reps=args.reps)
+            rows.append({
+                "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": t.median_ms,
+                "tflops": flops / t.median_ms / 1e9,
+            })
+            print(rows[-1], flush=True)
+        by_name = {r["method"]: r for r in rows if r["seq_len"] == seq_len}
+        for backend in args.backends:
+            ours, raw, dense = by_name.get(f"ours/{backend}"), by_name.get(f"raw/{backend}"), by_name.get("dense-mask sdpa")
+            if ours and raw:
+                ours["vs_raw"] = raw["ms"] / ours["ms"]
+            if ours and dense:
+                ours["vs_dense"] = dense["ms"] / ours["ms"]
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["seq_len"], r["tflops"]) for r in rows if r["method"] == method]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("packed tokens")
+    ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
+    ax.set_title("Local attention on one packed row")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--backends", nargs="+", default=["flex", "varlen"])
+    p.add_argument("--mean-doc-len", type=float, default=2048)
+    p.add_argument("--lengths-csv", default=None, help="histogram CSV of document lengths instead of log-normal")
+    p.add_argument("--dense-max-len", type=int, default=131072)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
+    p.add_argument("--out", default="bench_out")
+
+
+def main(args) -> None:
+    rows = run(args)
+    cols = ["seq_len", "docs", "method", "first_ms", "ms", "tflops", "vs_raw", "vs_dense"]
+    table = markdown_table(rows, cols)
+    print(table)
+    write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})
+    with open(f"{args.out}/kernels.md", "w") as f:
+        f.write(table + "\n")
+    plot(rows, f"{args.out}/kernels.png")

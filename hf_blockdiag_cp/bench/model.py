@@ -1,0 +1,148 @@
+"""`bench model`: a Hugging Face causal LM (default: a 1.2B Llama-architecture config) fwd+bwd
+on packed batches, `blockdiag_cp` at cp=1 vs HF `sdpa` vs HF `flex_attention`, one GPU.
+
+Reports tokens/s (steady state, median), the first step's time (compilation and plan
+building included) and peak memory; optionally the largest packed length that fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_cuda, write_json
+
+CONFIG_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=1 << 20, rope_theta=500000.0, tie_word_embeddings=True,
+)
+
+
+def build_model(args):
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    config = AutoConfig.from_pretrained(args.model) if args.model else LlamaConfig(**CONFIG_1B)
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    model.to(args.device).train()
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def packed_batch(seq_len: int, vocab: int, mean_doc_len: float, seed: int, device: str):
+    lengths = lognormal_lengths(seq_len, mean=mean_doc_len, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, seq_len), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    return lengths, {"input_ids": ids.to(device), "labels": ids.clone().to(device), "position_ids": pos.to(device)}
+
+
+def step_fn(model, method: str, batch: dict):
+    if method.startswith("blockdiag_cp"):
+        backend = method.split("/")[1]
+
+        def run():
+            configure_cp_varlen(backend, "allgather")
+            ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+            with ctx():
+                model(**local).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        return "blockdiag_cp", run
+
+    impl = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[method]
+
+    def run():
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    return impl, run
+
+
+def measure(model, method: str, seq_len: int, args) -> dict:
+    lengths, batch = packed_batch(seq_len, model.config.vocab_size, args.mean_doc_len, args.seed, args.device)
+    impl, run = step_fn(model, method, batch)
+    model.set_attn_implementation(impl)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    row = {"method": method, "seq_len": seq_len, "docs": len(lengths)}
+    try:
+        t = time_cuda(run, warmup=1, reps=args.steps)
+        row.update(first_s=t.first_ms / 1e3, step_s=t.median_ms / 1e3, tokens_per_s=seq_len / (t.median_ms / 1e3),
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+    except torch.OutOfMemoryError:
+        row.update(oom=True)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    print(row, flush=True)
+    return row
+
+
+def run(args) -> dict:
+    model = build_model(args)
+    rows = [measure(model, m, s, args) for s in args.seq_lens for m in args.methods]
+    largest = {}
+    for method in args.fit_methods:
+        fits = None
+        for s in args.fit_lens:
+            row = measure(model, method, s, args)
+            if row.get("oom"):
+                break
+            fits = s
+        largest[method] = fits
+    return {"rows": rows, "largest_fitting": largest}
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["seq_len"], r["tokens_per_s"]) for r in rows if r["method"] == method and "tokens_per_s" in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("packed tokens")
+    ax.set_ylabel("tokens/s (fwd+bwd)")
+    ax.set_title("1.2B Llama-architecture model, one GPU, cp=1")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="hub id or local path of a config; default: 1.2B Llama-architecture config")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
+    p.add_argument("--fit-methods", nargs="*", default=[])
+    p.add_argument("--fit-lens", type=int, nargs="*", default=[131072, 262144, 524288])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--mean-doc-len", type=float, default=2048)
+    p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
+    p.add_argument("--out", default="bench_out")
+
+
+def main(args) -> None:
+    result = run(args)
+    rows = result["rows"]
+    table = markdown_table(rows, ["seq_len", "docs", "method", "first_s", "step_s", "tokens_per_s", "peak_gib", "oom"])
+    print(table)
+    print("largest fitting pack:", result["largest_fitting"])
+    write_json(f"{args.out}/model.json", {"env": environment(), "args": vars(args), **result})
+    with open(f"{args.out}/model.md", "w") as f:
+        f.write(table + "\n\nlargest fitting pack: " + str(result["largest_fitting"]) + "\n")
+    plot(rows, f"{args.out}/model.png")

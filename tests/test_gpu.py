@@ -1,0 +1,156 @@
+"""GPU kernels: exactness in fp32, bf16 parity (DESIGN §7), multi-rank runs through gloo with
+CUDA tensors on one GPU, and no host syncs inside attention. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_blockdiag_cp as bdcp
+from packs import make_pack
+from reference import build_models, mean_over_group, reference_loss_and_grads, rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+GPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 7}))
+
+
+def _flat(grads: dict, names) -> torch.Tensor:
+    return torch.cat([grads[n].float().reshape(-1).cpu() for n in names])
+
+
+def _cp_loss_and_grads(model, batch, group, world_size, checkpointing=True):
+    device = torch.device("cuda")
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.zero_grad(set_to_none=True)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    with train_ctx():
+        loss = model(**local).loss
+        loss.backward()
+    grads = {n: mean_over_group(p.grad if p.grad is not None else torch.zeros_like(p), group, world_size)
+             for n, p in model.named_parameters()}
+    return mean_over_group(loss, group, world_size), grads
+
+
+def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES):
+    """Errors vs the fp32 unpacked reference: CP in bf16 and the stock model in bf16 (eager, per document)."""
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bdcp.configure_cp_varlen(backend, "allgather")
+    out = {}
+    for family, overrides in families:
+        ref32, model = build_models(family, **GPU_MODEL, **overrides)
+        ref32 = ref32.cuda()
+        docs, batch = make_pack(layout, world_size)
+        docs_cuda = [d.cuda() for d in docs]
+        loss32, grads32 = reference_loss_and_grads(ref32, docs_cuda)
+        stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
+        loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
+        model = model.cuda().to(torch.bfloat16)
+        loss_cp, grads_cp = _cp_loss_and_grads(model, batch, group, world_size)
+        names = list(grads32)
+        out[family] = {
+            "stock_grad_err": rel_err(_flat(grads_s, names), _flat(grads32, names)),
+            "cp_grad_err": rel_err(_flat(grads_cp, names), _flat(grads32, names)),
+            "stock_loss_err": rel_err(loss_s.float().cpu(), loss32.cpu()),
+            "cp_loss_err": rel_err(loss_cp.cpu(), loss32.cpu()),
+        }
+    bdcp.configure_cp_varlen()
+    return out
+
+
+def fp32_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES):
+    torch.cuda.set_device(0)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    bdcp.configure_cp_varlen(backend, "allgather")
+    worst = 0.0
+    for family, overrides in families:
+        ref, model = build_models(family, **GPU_MODEL, **overrides)
+        ref, model = ref.cuda(), model.cuda()
+        docs, batch = make_pack(layout, world_size)
+        loss_ref, grads_ref = reference_loss_and_grads(ref, [d.cuda() for d in docs])
+        loss, grads = _cp_loss_and_grads(model, batch, group, world_size)
+        worst = max([worst, rel_err(loss.cpu(), loss_ref.cpu())] + [rel_err(grads[n].cpu(), grads_ref[n].cpu()) for n in grads_ref])
+    bdcp.configure_cp_varlen()
+    return worst
+
+
+def _assert_bf16(results):
+    for rank, per_family in enumerate(results):
+        for family, e in per_family.items():
+            assert e["cp_grad_err"] <= 1.5 * e["stock_grad_err"], f"rank {rank} {family}: {e}"
+            assert e["cp_loss_err"] <= 1e-2, f"rank {rank} {family}: {e}"
+
+
+@pytest.mark.parametrize("backend", ["flex", "dense"])
+def test_fp32_parity_cp1(gloo, backend):
+    assert gloo(1).run(fp32_parity_case, backend=backend, layout="single_tokens")[0] <= 1e-4
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex", "dense"])
+@pytest.mark.parametrize("layout", ["straddle", "single_tokens", "single_doc"])
+def test_bf16_parity_cp1(gloo, backend, layout):
+    _assert_bf16(gloo(1).run(bf16_parity_case, backend=backend, layout=layout))
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex", "dense"])
+@pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (2, "padding_rank"), (4, "span_all"), (4, "padding_rank")])
+def test_bf16_parity_gloo_on_gpu(gloo, backend, world_size, layout):
+    _assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fp32_flex_gloo_on_gpu(gloo, world_size):
+    assert max(gloo(world_size).run(fp32_parity_case, timeout=900, backend="flex", layout="span_all")) <= 1e-4
+
+
+def sync_free_case(rank, world_size, group, backend):
+    """A full forward+backward with host syncs turned into errors inside every attention call."""
+    from transformers import AttentionInterface
+
+    torch.cuda.set_device(0)
+    bdcp.configure_cp_varlen(backend, "allgather")
+    original = bdcp.blockdiag_cp_attention_forward
+
+    def guarded(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    AttentionInterface.register("blockdiag_cp", guarded)
+    try:
+        _, model = build_models("llama", **GPU_MODEL)
+        model = model.cuda().to(torch.bfloat16)
+        for _ in range(2):  # the first step compiles and builds the step's masks
+            _, batch = make_pack("straddle", world_size)
+            _cp_loss_and_grads(model, batch, group, world_size)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            # backward too: the kernels' backward runs outside the guarded forward calls
+            model.zero_grad(set_to_none=True)
+            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_pack("straddle", world_size)[1].items()}
+            torch.cuda.set_sync_debug_mode("default")
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)  # host planning: may sync
+            with train_ctx():
+                loss = model(**local).loss
+                torch.cuda.set_sync_debug_mode("error")
+                loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        AttentionInterface.register("blockdiag_cp", original)
+        bdcp.configure_cp_varlen()
+    return True
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex", "dense"])
+def test_no_host_sync_in_attention(gloo, backend):
+    assert gloo(1).run(sync_free_case, backend=backend) == [True]
