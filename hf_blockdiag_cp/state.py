@@ -56,9 +56,14 @@ class DevicePlan:
     # their shapes stay constant from step to step and compiled kernels are reused.
     row_positions: torch.Tensor
     row_segments: torch.Tensor
+    # Pack position where each query's segment starts. Segments are contiguous in pack
+    # positions, so "same segment and not after the query" is q_start <= k_pos <= q_pos.
+    q_starts: torch.Tensor
 
     @staticmethod
-    def from_rank_plan(plan: RankPlan, device: torch.device, row_positions: torch.Tensor, row_segments: torch.Tensor) -> "DevicePlan":
+    def from_rank_plan(
+        plan: RankPlan, device: torch.device, row_positions: torch.Tensor, row_segments: torch.Tensor, q_starts: torch.Tensor
+    ) -> "DevicePlan":
         def to(t):
             return t.to(device, non_blocking=True)
 
@@ -76,6 +81,7 @@ class DevicePlan:
             max_seqlen_k=plan.max_seqlen_k,
             row_positions=to(row_positions),
             row_segments=to(row_segments),
+            q_starts=to(q_starts),
         )
 
 
@@ -126,7 +132,9 @@ class CPStep:
             world_size=layout.cp_size,
             layout=layout,
             rank_plan=rank_plan,
-            plan=DevicePlan.from_rank_plan(rank_plan, device, rows, layout.segments.segment_ids[rows]),
+            plan=DevicePlan.from_rank_plan(
+                rank_plan, device, rows, layout.segments.segment_ids[rows], layout.segments.segment_starts[rank_plan.q_positions]
+            ),
             attn_backend=attn_backend,
             kv_exchange=kv_exchange,
             model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries),

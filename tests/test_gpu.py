@@ -132,19 +132,16 @@ def sync_free_case(rank, world_size, group, backend):
         for _ in range(2):  # the first step compiles and builds the step's masks
             _, batch = make_pack("straddle", world_size)
             _cp_loss_and_grads(model, batch, group, world_size)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            # backward too: the kernels' backward runs outside the guarded forward calls
-            model.zero_grad(set_to_none=True)
-            batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_pack("straddle", world_size)[1].items()}
-            torch.cuda.set_sync_debug_mode("default")
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)  # host planning: may sync
-            with train_ctx():
-                loss = model(**local).loss
-                torch.cuda.set_sync_debug_mode("error")
+        model.zero_grad(set_to_none=True)
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_pack("straddle", world_size)[1].items()}
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)  # host planning: may sync
+        with train_ctx():
+            loss = model(**local).loss  # every attention call runs with syncs as errors
+            torch.cuda.set_sync_debug_mode("error")  # and the whole backward, recompute included
+            try:
                 loss.backward()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
     finally:
         AttentionInterface.register("blockdiag_cp", original)
         bdcp.configure_cp_varlen()

@@ -55,7 +55,7 @@ def _raw_varlen(lengths, q, k, v):
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     cu = cu.to(q.device)
     m = max(lengths)
-    q3, k3, v3 = (t[0].transpose(0, 1).contiguous().detach().requires_grad_() for t in (q, k, v))
+    q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [S, H, D] views of the same storage
     return lambda: varlen_attn(q3, k3, v3, cu, cu, m, m, window_size=(-1, 0))
 
 
@@ -79,13 +79,17 @@ def run(args) -> list[dict]:
         useful = attention_flops(lengths, args.heads, args.head_dim)
         g = torch.Generator(device=device).manual_seed(args.seed)
 
+        # Transformers' layout: projections give [1, S, H, D]; attention receives the [1, H, S, D] view.
         def rand(h):
-            return torch.randn(1, h, seq_len, args.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+            return torch.randn(1, seq_len, h, args.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
 
-        q, k, v = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
-        grad = torch.randn(1, args.heads, seq_len, args.head_dim, device=device, dtype=dtype, generator=g)
+        leaves = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
+        q, k, v = (t.transpose(1, 2) for t in leaves)
+        grad = torch.randn(1, seq_len, args.heads, args.head_dim, device=device, dtype=dtype, generator=g)
         methods = {}
+        plan_ms = {}
         for backend in args.backends:
+            plan_ms[backend] = time_cuda(lambda: _step_for(doc_ids, backend, device), warmup=1, reps=3).median_ms
             step = _step_for(doc_ids, backend, device)
             methods[f"ours/{backend}"] = (lambda step=step: blockdiag_attention(step, q, k, v, scale=None, sliding_window=None), useful)
         if "flex" in args.backends:
@@ -101,8 +105,10 @@ def run(args) -> list[dict]:
         for name, (fn, flops) in methods.items():
             def fwd_bwd(fn=fn):
                 out = fn()
-                if out.shape != grad.shape:
-                    out = out.reshape(1, seq_len, args.heads, args.head_dim).transpose(1, 2)
+                if out.dim() == 3:  # varlen: [S, H, D]
+                    out = out.unsqueeze(0)
+                elif out.shape[1] == args.heads and out.shape[2] == seq_len:  # SDPA/flex layout [1, H, S, D]
+                    out = out.transpose(1, 2)
                 out.backward(grad)
 
             t = time_cuda(fwd_bwd, warmup=args.warmup, reps=args.reps)
@@ -110,6 +116,8 @@ def run(args) -> list[dict]:
                 "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": t.median_ms,
                 "tflops": flops / t.median_ms / 1e9,
             })
+            if name.startswith("ours/"):
+                rows[-1]["plan_ms"] = plan_ms[name.split("/")[1]]
             print(rows[-1], flush=True)
         by_name = {r["method"]: r for r in rows if r["seq_len"] == seq_len}
         for backend in args.backends:
@@ -159,7 +167,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> None:
     rows = run(args)
-    cols = ["seq_len", "docs", "method", "first_ms", "ms", "tflops", "vs_raw", "vs_dense"]
+    cols = ["seq_len", "docs", "method", "first_ms", "ms", "tflops", "vs_raw", "vs_dense", "plan_ms"]
     table = markdown_table(rows, cols)
     print(table)
     write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})
