@@ -59,6 +59,10 @@ class DevicePlan:
     # Pack position where each query's segment starts. Segments are contiguous in pack
     # positions, so "same segment and not after the query" is q_start <= k_pos <= q_pos.
     q_starts: torch.Tensor
+    # Set when the queries are the positions q_offset + [0, L) and when row r holds position r
+    # (contiguous layout with all-gather): kernels can then use indices as positions.
+    q_offset: int | None = None
+    rows_are_positions: bool = False
 
     @staticmethod
     def from_rank_plan(
@@ -82,7 +86,17 @@ class DevicePlan:
             row_positions=to(row_positions),
             row_segments=to(row_segments),
             q_starts=to(q_starts),
+            q_offset=_range_offset(plan.q_positions),
+            rows_are_positions=_range_offset(row_positions) == 0,
         )
+
+
+def _range_offset(positions: torch.Tensor) -> int | None:
+    """a if positions == [a, a+1, ..., a+n-1], else None (host tensor, once per step)."""
+    if positions.numel() == 0:
+        return None
+    first = int(positions[0])
+    return first if torch.equal(positions, torch.arange(first, first + positions.numel())) else None
 
 
 @dataclass(eq=False)
