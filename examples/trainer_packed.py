@@ -1,0 +1,220 @@
+"""Train a causal LM on packed documents with block-diagonal CP through `transformers.Trainer`.
+
+    accelerate launch --cpu --num_processes 2 examples/trainer_packed.py --steps 20 --output-dir out
+    torchrun --standalone --nproc-per-node 4 examples/trainer_packed.py --cp-size 2      # dp=2 x cp=2
+    accelerate launch --num_processes 8 examples/trainer_packed.py --cp-size 4         # GPUs: NCCL
+
+Same defaults as `examples/train_packed.py` (the custom loop): a tiny Llama built from a
+config (fp32, random init, seed `--seed`), the embedded corpus (`hf_blockdiag_cp.corpus`),
+packs of `--max-tokens` tokens, `--packs-per-step` packs per optimizer step over all DP
+replicas, AdamW (betas 0.9/0.95, no weight decay), constant learning rate, clipping at 1.0,
+cp = number of processes.
+
+What goes where (the Trainer part a user copies):
+
+- model: `attn_implementation="blockdiag_cp"` (after `import hf_blockdiag_cp`).
+- `BlockdiagCPTrainer(model=..., args=..., train_dataset=..., cp_size=..., max_tokens=...)`:
+  `train_dataset` is a map-style dataset of documents with `input_ids` (optional `labels`);
+  no `data_collator` (the Trainer packs and shards itself).
+- `TrainingArguments`: `per_device_train_batch_size=1` (one pack per micro-batch),
+  `gradient_accumulation_steps = packs per step / dp`, `use_cache=False` (the default),
+  `dataloader_drop_last=True` for the same packs at any dp, `remove_unused_columns=False`,
+  `use_cpu=True` on CPU hosts; for activation checkpointing `activation_checkpointing=True`
+  with `activation_checkpointing_kwargs={"use_reentrant": False}`. Never set
+  `parallelism_config` / `--parallelism_config_cp_size` (accelerate's own CP), label
+  smoothing, or `compute_loss_func`.
+
+Writes, with `--output-dir DIR`: `DIR/metrics.json` (`losses` per optimizer step as the
+Trainer logged them, `tokens_per_second`, `cp_size`, `dp_size`, ...), `DIR/loss.png`, and the
+final model (`DIR/model.safetensors`, `DIR/config.json`) to compare runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp import corpus
+from hf_blockdiag_cp.integrations.accelerate import cpu_workers_to_start, relaunch_cpu_workers
+from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="hub id or local path (default: a tiny Llama config, random init)")
+    p.add_argument("--dataset", default=None, help="a datasets name or local data file(s) with `input_ids` or `text` "
+                   "(text becomes byte tokens; default: the embedded stdlib corpus)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="tokens per pack (a multiple of 2*cp)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
+    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
+    p.add_argument("--output-dir", default=None, help="write metrics.json, loss.png and the final model here")
+    args = p.parse_args(argv)
+    for name in ("max_tokens", "steps", "packs_per_step"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    return args
+
+
+def tiny_llama_config(vocab_size: int, max_tokens: int):
+    """The main job's default model (examples/train_packed.py)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(max_tokens, 2048),
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+
+
+def build_model(args):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank and in every layout
+    kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
+    if args.model is None:
+        return AutoModelForCausalLM.from_config(tiny_llama_config(corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    if model.config.vocab_size < corpus.VOCAB_SIZE:
+        raise ValueError(f"--model vocab_size={model.config.vocab_size} is smaller than the byte vocabulary ({corpus.VOCAB_SIZE})")
+    return model
+
+
+def load_training_data(args):
+    """A `datasets.Dataset` of documents with `input_ids` (byte tokens for text; id 0 = padding)."""
+    if args.dataset is None:
+        return corpus.load_corpus()
+    from datasets import load_dataset
+
+    path = Path(args.dataset)
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+    if path.is_file():
+        if path.suffix not in builders:
+            raise ValueError(f"--dataset {args.dataset!r}: unknown file type {path.suffix!r}; expected one of {sorted(builders)}")
+        raw = load_dataset(builders[path.suffix], data_files=str(path), split="train")
+    else:
+        raw = load_dataset(args.dataset, split="train")
+    if "input_ids" in raw.column_names:
+        return raw.select_columns(["input_ids"] + (["labels"] if "labels" in raw.column_names else []))
+    if "text" not in raw.column_names:
+        raise ValueError(f"--dataset needs an `input_ids` or `text` column; columns: {raw.column_names}")
+    data = raw.map(lambda b: {"input_ids": [corpus.encode_bytes(t or "").tolist() for t in b["text"]]},
+                   batched=True, remove_columns=raw.column_names)
+    return data.filter(lambda ids: len(ids) > 0, input_columns="input_ids")
+
+
+def training_arguments(args, world_size: int, cp_size: int):
+    from transformers import TrainingArguments
+
+    dp_size = world_size // cp_size
+    if args.packs_per_step % dp_size:
+        raise ValueError(f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp_size}")
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
+    return TrainingArguments(
+        output_dir=args.output_dir or "trainer_packed_out",
+        max_steps=args.steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.packs_per_step // dp_size,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        optim="sgd" if args.optimizer == "sgd" else "adamw_torch",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        weight_decay=0.0,
+        max_grad_norm=args.max_grad_norm,
+        activation_checkpointing=args.gradient_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+        dataloader_drop_last=True,
+        dataloader_num_workers=args.num_workers,
+        remove_unused_columns=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=use_cpu,
+        seed=args.seed,
+    )
+
+
+def write_outputs(output_dir: Path, metrics: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("logged loss (token-weighted mean)")
+    ax.set_title(f"Trainer, dp={metrics['dp_size']} x cp={metrics['cp_size']}, {metrics['tokens_per_second']:.0f} tokens/s")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(output_dir / "loss.png", dpi=120)
+    plt.close(fig)
+
+
+def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
+    """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
+    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
+    return {
+        "losses": [h["loss"] for h in steps],
+        "grad_norms": [h["grad_norm"] for h in steps],
+        "tokens_per_second": real / final["train_runtime"],
+        "cp_size": cp_size,
+        "dp_size": world_size // cp_size,
+        "world_size": world_size,
+        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
+        "real_tokens": real,
+        "train_runtime_s": final["train_runtime"],
+    }
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workers = cpu_workers_to_start()  # `accelerate launch --cpu --num_processes N` without MPI starts one process
+    if workers:
+        return relaunch_cpu_workers(workers)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    cp_size = args.cp_size or world_size
+    trainer = BlockdiagCPTrainer(
+        model=build_model(args),
+        args=training_arguments(args, world_size, cp_size),
+        train_dataset=load_training_data(args),
+        cp_size=cp_size,
+        max_tokens=args.max_tokens,
+        pad_token_id=corpus.PAD_TOKEN_ID,
+    )
+    trainer.train()
+    metrics = run_metrics(trainer, trainer.args.world_size, cp_size)
+    if args.output_dir:
+        trainer.save_model(args.output_dir)
+    if trainer.is_world_process_zero():
+        print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
+        if args.output_dir:
+            write_outputs(Path(args.output_dir), metrics)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

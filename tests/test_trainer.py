@@ -1,0 +1,281 @@
+"""I2 through `transformers.Trainer`: `BlockdiagCPTrainer` at dp=1 x cp=2, dp=2 x cp=1 and
+dp=2 x cp=2 logs the same loss and grad norm at every step and ends with the same weights
+as the *stock* Trainer with the *stock* `sdpa` model on the same packs in one process (labels
+masked at document starts, position ids restarting per document: Transformers' own packed
+path). SGD without clipping, so a gradient scale error shows in the weights (Adam would hide
+it). Plus the callback's and the Trainer's setup checks, which must raise on every rank.
+
+The Trainers run inside the shared gloo pool: accelerate's PartialState joins an already
+initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+
+import hf_blockdiag_cp as bdcp  # noqa: F401 - registers "blockdiag_cp"
+from hf_blockdiag_cp.collator import BlockdiagCPCollator
+from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
+from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, BlockdiagCPTrainer, TokenMeter
+from reference import VOCAB, tiny_config
+
+MAX_TOKENS = 48
+STEPS = 3
+PACKS_PER_STEP = 2  # global batch: packs per optimizer step, over all DP replicas and accumulation
+LOSS_TOL = 1e-5
+GRAD_NORM_TOL = 1e-4
+UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
+
+
+def train_docs() -> list[dict]:
+    """Heavy-tailed document lengths, one longer than a pack (split into pieces)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [1, 2, 3, 3, 4, 5, 6, 7, 9, 11, 14, 17, 21, 26, 33, 40, 47, 70, 5, 8, 12, 2, 30, 19, 9, 4, 110]
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+
+
+def tiny_model(attn: str = "blockdiag_cp", **overrides):
+    torch.manual_seed(0)
+    config = tiny_config("llama", **{"use_cache": False, **overrides})
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def training_args(output_dir: str, accumulation: int, **overrides) -> TrainingArguments:
+    settings = dict(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accumulation,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)
+
+
+@contextlib.contextmanager
+def accelerate_env(rank: int, world_size: int):
+    """Make accelerate treat this pool worker as rank `rank` of a `world_size` CPU run; undo it afterwards."""
+    from accelerate.state import AcceleratorState
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    if world_size > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            yield out
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _quiet(trainer: Trainer) -> Trainer:
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    return trainer
+
+
+def _outcome(trainer: Trainer, initial: dict) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+    return {
+        "losses": [h["loss"] for h in logs],
+        "grad_norms": [float(h["grad_norm"]) for h in logs],
+        "logs": logs,
+        "weights": weights,
+        "initial": initial,
+    }
+
+
+# --------------------------------------------------------------------------- reference: stock Trainer, stock sdpa
+
+
+class _ReferenceTrainer(Trainer):
+    """Stock Trainer; only the data is fixed: the epoch's packs in order, labels masked at document starts."""
+
+    def __init__(self, *args, packs: list[dict], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._packs = packs
+
+    def get_train_dataloader(self):
+        return torch.utils.data.DataLoader(self._packs, batch_size=None, shuffle=False)
+
+
+def reference_packs(docs: list[dict]) -> list[dict]:
+    """The packs of one epoch in dealing order, in Transformers' packed convention (no document_ids)."""
+    sampler = PackedBatchSampler(dataset_lengths(docs), MAX_TOKENS, seed=0)
+    examples, collator = PackedExamples(docs), BlockdiagCPCollator(MAX_TOKENS)
+    packs = []
+    for items in sampler.epoch_packs():
+        full = collator([examples[i] for i in items])
+        labels = full["labels"].clone()
+        labels[full["position_ids"] == 0] = -100  # no target crosses into the next document
+        packs.append({"input_ids": full["input_ids"], "labels": labels, "position_ids": full["position_ids"]})
+    return packs
+
+
+def reference_case(rank, world_size, group):
+    assert world_size == 1
+    with accelerate_env(rank, world_size) as out:
+        model = tiny_model("sdpa")
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = _ReferenceTrainer(model=model, args=training_args(out, PACKS_PER_STEP), packs=reference_packs(train_docs()))
+        _quiet(trainer).train()
+        return _outcome(trainer, initial)
+
+
+# --------------------------------------------------------------------------- block-diagonal CP runs
+
+
+def cp_case(rank, world_size, group, cp_size, arg_overrides):
+    dp_size = world_size // cp_size
+    with accelerate_env(rank, world_size) as out:
+        model = tiny_model()
+        initial = {k: v.clone() for k, v in model.state_dict().items()}
+        trainer = BlockdiagCPTrainer(
+            model=model,
+            args=training_args(out, PACKS_PER_STEP // dp_size, **arg_overrides),
+            train_dataset=train_docs(),
+            cp_size=cp_size,
+            max_tokens=MAX_TOKENS,
+        )
+        _quiet(trainer).train()
+        return _outcome(trainer, initial)
+
+
+@pytest.fixture(scope="module")
+def reference(gloo):
+    return gloo(1).run(reference_case, timeout=120)[0]
+
+
+def _assert_same_training(got: dict, ref: dict, what: str) -> None:
+    assert len(got["losses"]) == len(ref["losses"]) == STEPS, (what, got["losses"], ref["losses"])
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
+        assert abs(a - b) <= LOSS_TOL * abs(b), f"{what} step {step}: logged loss {a} vs reference {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], ref["grad_norms"]), start=1):
+        assert abs(a - b) <= GRAD_NORM_TOL * abs(b), f"{what} step {step}: grad norm {a} vs reference {b}"
+    for name, w_ref in ref["weights"].items():
+        update = (w_ref - ref["initial"][name]).abs().max()
+        err = (got["weights"][name] - w_ref).abs().max()
+        assert update > 0, f"reference did not train {name}"
+        assert err <= UPDATE_TOL * update, f"{what}: {name} differs by {err:.3e}, its update is {update:.3e}"
+
+
+@pytest.mark.parametrize(
+    "world_size,cp_size,arg_overrides",
+    [
+        (2, 2, {}),
+        (2, 1, {}),
+        (4, 2, {}),
+        # The Trainer's own token counting then stays per rank; ours must not depend on it.
+        (2, 2, {"average_tokens_across_devices": False}),
+    ],
+    ids=["dp1xcp2", "dp2xcp1", "dp2xcp2", "dp1xcp2-no-token-averaging"],
+)
+def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg_overrides):
+    results = gloo(world_size).run(cp_case, timeout=180, cp_size=cp_size, arg_overrides=arg_overrides)
+    for rank, got in enumerate(results):
+        _assert_same_training(got, reference, f"world {world_size} cp {cp_size} rank {rank}")
+        last = got["logs"][-1]
+        per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
+        assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
+
+
+# --------------------------------------------------------------------------- setup checks
+
+
+def setup_error_case(rank, world_size, group, mistake):
+    """Build (and train) a BlockdiagCPTrainer with one mistake; the error text, or None if nothing raised."""
+    with accelerate_env(rank, world_size) as out:
+        attn = "sdpa" if mistake == "attn" else "blockdiag_cp"
+        model = tiny_model(attn)
+        overrides, kwargs = {}, dict(cp_size=2, max_tokens=MAX_TOKENS)
+        if mistake == "use_cache":  # the Trainer copies TrainingArguments.use_cache into model.config
+            overrides["use_cache"] = True
+        elif mistake == "batch_size":
+            overrides["per_device_train_batch_size"] = 2
+        elif mistake == "reentrant":
+            overrides.update(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
+        elif mistake == "cp_size":
+            kwargs["cp_size"] = 3
+            kwargs["max_tokens"] = 6 * 8
+        elif mistake == "accelerate_cp":
+            from accelerate import ParallelismConfig
+
+            overrides["parallelism_config"] = ParallelismConfig(cp_size=2)
+        elif mistake == "collator":
+            kwargs["data_collator"] = BlockdiagCPCollator(MAX_TOKENS)
+        elif mistake == "dataset_per_rank":
+            kwargs["train_dataset"] = train_docs()[: 10 + 10 * rank]
+        try:
+            trainer = BlockdiagCPTrainer(model=model, args=training_args(out, 1, **overrides), **{"train_dataset": train_docs(), **kwargs})
+            _quiet(trainer).train()
+        except (ValueError, RuntimeError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+
+@pytest.mark.parametrize(
+    "mistake,expected",
+    [
+        ("attn", "_attn_implementation is 'sdpa'; expected 'blockdiag_cp'"),
+        ("use_cache", "use_cache is True; expected False"),
+        ("batch_size", "per_device_train_batch_size is 2; expected 1"),
+        ("reentrant", "use_reentrant=True; expected {'use_reentrant': False}"),
+        ("cp_size", "world size 2 is not divisible by cp_size=3"),
+        ("accelerate_cp", "TrainingArguments parallelism_config has cp_enabled; expected no context/sequence/tensor"),
+        ("collator", "data_collator must not be given"),
+        ("dataset_per_rank", "ranks disagree on the number of packs per epoch"),
+    ],
+)
+def test_setup_mistakes_raise_on_every_rank(gloo, mistake, expected):
+    results = gloo(2).run(setup_error_case, timeout=120, mistake=mistake)
+    for rank, message in enumerate(results):
+        assert message is not None and expected in message, f"rank {rank}: {message!r}"
+
+
+def test_callback_checks_activation_checkpointing_mode():
+    callback = BlockdiagCPCallback(cp_size=1)
+    model = tiny_model()
+    callback.check_setup(model, world_size=1)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    callback.check_setup(model, world_size=1)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="reentrant activation checkpointing"):
+        callback.check_setup(model, world_size=1)
+    with pytest.raises(ValueError, match="cp_size must be a positive integer"):
+        BlockdiagCPCallback(cp_size=0)
+
+
+def test_token_meter_metrics():
+    meter = TokenMeter(world_size=2)
+    assert meter.pop() == {}
+    meter.add([30, 10], 48)
+    meter.add([6, 2], 16)
+    metrics = meter.pop()
+    assert metrics["cp_real_tokens_rank0"] == 36 and metrics["cp_real_tokens_rank1"] == 12
+    assert metrics["cp_packing_efficiency"] == pytest.approx(48 / 64)
+    assert metrics["cp_rank_imbalance"] == pytest.approx(36 / 24)
+    assert metrics["cp_tokens_per_second"] > 0
+    assert meter.pop() == {}  # a new window
