@@ -29,3 +29,29 @@ def test_mask_mod_matches_dense(window, cp_size, fast_paths):
         got = mod(0, 0, q_idx, kv_idx)
         want = dense_allowed(plan.q_positions, plan.q_segments, plan.row_positions, plan.row_segments, window)
         assert torch.equal(got, want), (rank, got.int(), want.int())
+
+
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_varlen_segments_match_dense_for_balanced_layouts(cp_size):
+    """Every varlen segment, laid out with bottom-right causal alignment, allows exactly the
+    dense mask's pairs, also when a rank holds two separate chunks of one document."""
+    from hf_blockdiag_cp.layout import LAYOUT_STRATEGIES, plan_rank
+
+    doc_ids = torch.tensor([1] * 37 + [2] * 3 + [3] * 12 + [0] * 2)
+    for strategy in LAYOUT_STRATEGIES:
+        layout = plan_layout(doc_ids, cp_size, strategy)
+        seg = layout.segments.segment_ids
+        for rank in range(cp_size):
+            rp = plan_rank(layout, rank)
+            got = torch.zeros(rp.q_positions.numel(), rp.k_positions.numel(), dtype=torch.bool)
+            cq, ck = rp.cu_seqlens_q.tolist(), rp.cu_seqlens_k.tolist()
+            for i in range(len(cq) - 1):
+                nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+                for j in range(nq):  # bottom-right: query j sees keys [0, nk - nq + j]
+                    got[cq[i] + j, ck[i]: ck[i] + nk - nq + j + 1] = True
+            # Keys may repeat across segments: compare the sets of allowed (query, key position) pairs.
+            pairs = {(int(q), int(rp.k_positions[k])) for q, k in got.nonzero().tolist()}
+            allowed = dense_allowed(rp.q_positions, seg[rp.q_positions], torch.arange(layout.padded_seq_len),
+                                    seg, None)
+            want = {(int(q), int(k)) for q, k in allowed.nonzero().tolist()}
+            assert pairs == want, (strategy, rank)
