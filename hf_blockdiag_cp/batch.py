@@ -24,6 +24,8 @@ from .layout import (
     plan_layout,
     validate_document_ids,
 )
+from .exchange import check_group_usable, group_spans_nodes
+from .exchange_plan import EXCHANGE_KINDS, choose_exchange, plan_exchange
 from .state import STEP_KWARG, CPStep, activate
 
 IGNORE_INDEX = -100
@@ -155,7 +157,7 @@ def _pad_seq(t: torch.Tensor, s_pad: int, value, dim: int) -> torch.Tensor:
 
 
 SHARD_KEY = "blockdiag_cp_shard"
-_FINGERPRINT = ("padded length", "sequence length", "document ids", "input ids", "label count")
+_FINGERPRINT = ("padded length", "sequence length", "document ids", "input ids", "label count", "kv exchange")
 
 
 @dataclass(frozen=True)
@@ -261,6 +263,9 @@ def make_cp_blockdiag_batch_and_ctx(
     """
     del tp_mesh
     cp = resolve_cp_group(cp_mesh)
+    check_group_usable(cp.group)
+    config = current_config()
+    exchange, exchange_plan = "allgather", None
     error: BaseException | None = None
     local = None
     fingerprint: tuple[int, ...] = (0,) * len(_FINGERPRINT)
@@ -275,16 +280,25 @@ def make_cp_blockdiag_batch_and_ctx(
                 )
         else:
             local = shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy)
-        fingerprint = local[SHARD_KEY].fingerprint
+        if config.kv_exchange != "allgather":
+            exchange_plan = plan_exchange(local[SHARD_KEY].layout)
+            needed_only_ok = config.allow_cross_node_a2a or not group_spans_nodes(cp.group)
+            exchange = choose_exchange(config.kv_exchange, exchange_plan, needed_only_ok)
+        # The exchange is part of the fingerprint: ranks that would run different collectives raise (I5).
+        fingerprint = local[SHARD_KEY].fingerprint + (EXCHANGE_KINDS.index(exchange),)
     except (ValueError, TypeError) as exc:
         error = exc
-    config = current_config()
     agreement = agree(cp.group, error is not None, list(fingerprint))
     if error is not None:
         raise error
     if agreement.any_failed:
         raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
     differing = agreement.disagreeing(list(_FINGERPRINT))
+    if differing == ["kv exchange"]:
+        raise RuntimeError(
+            "blockdiag_cp: the ranks of one CP group chose different kv_exchange paths for the same pack; call "
+            "configure_cp_varlen(...) with the same arguments on every rank (and the same LOCAL_WORLD_SIZE)"
+        )
     if differing:
         raise RuntimeError(
             "blockdiag_cp: the ranks of one CP group received different packs (they differ in "
@@ -292,11 +306,8 @@ def make_cp_blockdiag_batch_and_ctx(
             "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
         )
     layout = local.pop(SHARD_KEY).layout
-    exchange = "allgather" if config.kv_exchange == "auto" else config.kv_exchange
-    if exchange != "allgather":
-        raise NotImplementedError(f"kv_exchange={config.kv_exchange!r} is not implemented yet; use 'allgather' or 'auto'")
     device = local["position_ids"].device
-    step = CPStep.for_rank(layout, cp.rank, cp.group, device, config.attn_backend, exchange)
+    step = CPStep.for_rank(layout, cp.rank, cp.group, device, config.attn_backend, exchange, exchange_plan)
     local[STEP_KWARG] = step
 
     @contextlib.contextmanager

@@ -73,19 +73,32 @@ class CPConfig:
 
     attn_backend: str = "auto"
     kv_exchange: str = "allgather"
+    # `auto` picks a needed-only exchange (halo / a2a) on a group that spans several nodes only
+    # when this is True (all-to-all across nodes is often slower per byte than a ring all-gather).
+    allow_cross_node_a2a: bool = False
 
 
 _CONFIG = CPConfig()
 
 
-def configure_cp_varlen(attn_backend: str = "auto", kv_exchange: str = "allgather") -> CPConfig:
+def configure_cp_varlen(
+    attn_backend: str = "auto", kv_exchange: str = "allgather", allow_cross_node_a2a: bool = False
+) -> CPConfig:
     """Set the local kernel and the K/V exchange used by every following CP step.
 
-    Raises ValueError listing the accepted names for an unknown spelling. Returns the
-    configuration now in force.
+    `kv_exchange="auto"` picks per step the cheapest exact exchange (halo, else a2a, else
+    allgather); on a CP group over several nodes (from LOCAL_WORLD_SIZE) it keeps allgather
+    unless `allow_cross_node_a2a=True`. Raises ValueError listing the accepted names for an
+    unknown spelling. Returns the configuration now in force.
     """
     global _CONFIG
-    _CONFIG = CPConfig(attn_backend=normalize_backend(attn_backend), kv_exchange=normalize_exchange(kv_exchange))
+    if not isinstance(allow_cross_node_a2a, bool):
+        raise TypeError(f"allow_cross_node_a2a must be True or False; got {allow_cross_node_a2a!r}")
+    _CONFIG = CPConfig(
+        attn_backend=normalize_backend(attn_backend),
+        kv_exchange=normalize_exchange(kv_exchange),
+        allow_cross_node_a2a=allow_cross_node_a2a,
+    )
     return _CONFIG
 
 

@@ -95,7 +95,10 @@ def blockdiag_attention(
     features: AttentionFeatures = AttentionFeatures(),
 ):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]."""
-    k, v = exchange_kv(step.kv_exchange, key[0].transpose(0, 1), value[0].transpose(0, 1), step.group, step.world_size)
+    k, v = exchange_kv(
+        step.kv_exchange, key[0].transpose(0, 1), value[0].transpose(0, 1), step.group, step.world_size,
+        routes=step.kv_routes, meter=step.exchange_bytes,
+    )
     out = local_attention(
         step, query[0].transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window, features=features
     )

@@ -1,0 +1,321 @@
+"""Needed-only K/V exchange plans: which keys every rank needs, who sends what to whom, and
+the bytes each exchange moves. Pure planning over a `Layout` (no torch.distributed).
+
+Needed keys. A real query needs the keys of its own document from the document's start (or
+from `q - W + 1` under a sliding window of W) up to itself. A padding query only sees the
+padding rows of its own run that its rank holds: padding never carries a label, so what
+padding rows attend to cannot reach a loss, and fetching remote padding would be pure
+waste. Every rank's needed keys are a few disjoint position intervals (`[start, stop)`),
+computed from maximal *pieces* of its rows: consecutive pack positions of one segment.
+
+Transports, all moving exactly the needed rows (so the same bytes whenever both are valid):
+- `a2a`: one all-to-all-v; valid for every layout.
+- `halo`: point-to-point from left neighbours only. A rank's left neighbours are the owners
+  of the position just before each run of consecutive positions it holds (rank r-1 for
+  contiguous chunks). Valid when every rank needs remote keys from left neighbours only,
+  i.e. (contiguous layouts) when no needed document spans more than two ranks.
+- `allgather`: every rank receives all (G-1)·L foreign rows, whatever it needs.
+Byte counts are what one rank *receives* per attention layer: forward K/V rows, backward
+gradients of the rows it sent (reverse exchange; all-gather's reduce-scatter receives (G-1)·L).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Layout, RankPlan, plan_rank
+
+EXCHANGE_KINDS = ("allgather", "halo", "a2a")
+NEEDED_ONLY = ("halo", "a2a")
+
+
+# --------------------------------------------------------------------------- intervals
+
+
+def _runs(flags_new: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First and last index of each run, given a bool tensor that marks run starts."""
+    first = torch.nonzero(flags_new).reshape(-1)
+    last = torch.cat([first[1:], torch.tensor([n])]) - 1
+    return first, last
+
+
+def held_intervals(layout: Layout, rank: int) -> torch.Tensor:
+    """`[n, 2]` maximal runs of consecutive pack positions held by `rank`, as `[start, stop)`."""
+    pos = layout.slot_positions[rank]
+    new = torch.ones_like(pos, dtype=torch.bool)
+    new[1:] = pos[1:] != pos[:-1] + 1
+    first, last = _runs(new, pos.numel())
+    return torch.stack([pos[first], pos[last] + 1], dim=1)
+
+
+def needed_intervals(layout: Layout, rank: int, sliding_window: int | None = None) -> torch.Tensor:
+    """`[n, 2]` sorted disjoint `[start, stop)` pack-position intervals of the keys `rank` needs."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window!r}")
+    pos = layout.slot_positions[rank]
+    seg = layout.segments
+    q_seg = seg.segment_ids[pos]
+    new = torch.ones_like(pos, dtype=torch.bool)
+    new[1:] = (pos[1:] != pos[:-1] + 1) | (q_seg[1:] != q_seg[:-1])
+    first, last = _runs(new, pos.numel())
+    a, b = pos[first], pos[last]
+    lo = seg.segment_starts[a]
+    if sliding_window is not None:
+        lo = torch.maximum(lo, a - sliding_window + 1)
+    lo = torch.where(layout.document_ids[a] == 0, a, lo)  # padding: own rows only
+    stop = b + 1
+    # `lo` never decreases along pieces (segments are contiguous in the pack), so merging
+    # overlapping or touching intervals is one pass.
+    merge_new = torch.ones_like(lo, dtype=torch.bool)
+    merge_new[1:] = lo[1:] > stop[:-1]
+    g_first, g_last = _runs(merge_new, lo.numel())
+    return torch.stack([lo[g_first], stop[g_last]], dim=1)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`[n, m, 2]` pairwise intersections of interval sets a `[n,2]` and b `[m,2]` (empty ones have start >= stop)."""
+    start = torch.maximum(a[:, None, 0], b[None, :, 0])
+    stop = torch.minimum(a[:, None, 1], b[None, :, 1])
+    return torch.stack([start, stop], dim=-1)
+
+
+def intersect(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sorted `[k, 2]` intersection of two sorted disjoint interval sets."""
+    pairs = _overlap(a, b).reshape(-1, 2)
+    pairs = pairs[pairs[:, 0] < pairs[:, 1]]
+    return pairs[torch.argsort(pairs[:, 0])]
+
+
+def interval_size(intervals: torch.Tensor) -> int:
+    return int((intervals[:, 1] - intervals[:, 0]).sum()) if intervals.numel() else 0
+
+
+def expand(intervals: torch.Tensor) -> torch.Tensor:
+    """All positions of sorted disjoint intervals, in increasing order."""
+    if intervals.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    lengths = intervals[:, 1] - intervals[:, 0]
+    offsets = torch.repeat_interleave(intervals[:, 0] - (torch.cumsum(lengths, 0) - lengths), lengths)
+    return torch.arange(int(lengths.sum())) + offsets
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class ExchangeBytes:
+    """Bytes one rank receives in one attention layer: K/V rows forward, their gradients backward."""
+
+    forward: int
+    backward: int
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.backward
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """Who needs which keys and who sends how many rows to whom, for one layout (and window).
+
+    `traffic[src, dst]` is the number of K/V rows rank `src` sends to rank `dst` in the
+    needed-only exchanges (zero on the diagonal: own rows never travel).
+    """
+
+    cp_size: int
+    local_len: int
+    sliding_window: int | None
+    needed: tuple[torch.Tensor, ...]  # per rank, [n, 2] intervals of needed key positions
+    held: tuple[torch.Tensor, ...]  # per rank, [m, 2] intervals of held positions
+    traffic: torch.Tensor  # [G, G] int64 rows, src x dst
+    left_neighbours: tuple[frozenset[int], ...]
+    halo_valid: bool
+    _slot_of_position: torch.Tensor = field(repr=False)
+
+    def num_keys(self, rank: int) -> int:
+        """Rows the needed-only exchanges return to `rank` (its own rows included)."""
+        return interval_size(self.needed[rank])
+
+    def recv_rows(self, rank: int) -> int:
+        return int(self.traffic[:, rank].sum())
+
+    def send_rows(self, rank: int) -> int:
+        return int(self.traffic[rank, :].sum())
+
+    def rows_per_layer(self, exchange: str, rank: int) -> tuple[int, int]:
+        """(forward, backward) rows `rank` receives per layer with `exchange`."""
+        if exchange == "allgather":
+            n = (self.cp_size - 1) * self.local_len
+            return n, n
+        if exchange == "halo" and not self.halo_valid:
+            raise ValueError("kv_exchange='halo' is not valid for this layout: some rank needs keys beyond its left neighbours")
+        if exchange in NEEDED_ONLY:
+            return self.recv_rows(rank), self.send_rows(rank)
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGE_KINDS)}; got {exchange!r}")
+
+    def bytes_per_layer(self, exchange: str, rank: int, row_bytes: int) -> ExchangeBytes:
+        """Bytes `rank` receives per attention layer with `exchange`; `row_bytes` = Hkv·(Dk+Dv)·element size."""
+        fwd, bwd = self.rows_per_layer(exchange, rank)
+        return ExchangeBytes(fwd * row_bytes, bwd * row_bytes)
+
+    def max_rows(self, exchange: str) -> int:
+        """Forward + backward rows received by the busiest rank: the cost `auto` compares."""
+        return max(sum(self.rows_per_layer(exchange, r)) for r in range(self.cp_size))
+
+    @property
+    def total_traffic(self) -> int:
+        return int(self.traffic.sum())
+
+
+def kv_row_bytes(kv_heads: int, head_dim_k: int, head_dim_v: int, bytes_per_element: int) -> int:
+    """Bytes of one exchanged row: K and V of one token, all kv heads."""
+    return kv_heads * (head_dim_k + head_dim_v) * bytes_per_element
+
+
+def plan_exchange(layout: Layout, sliding_window: int | None = None) -> ExchangePlan:
+    """The needed-only exchange plan of `layout` (keys clipped to `sliding_window` when given)."""
+    g, local_len = layout.cp_size, layout.local_len
+    needed = tuple(needed_intervals(layout, r, sliding_window) for r in range(g))
+    held = tuple(held_intervals(layout, r) for r in range(g))
+    traffic = torch.zeros(g, g, dtype=torch.long)
+    for dst in range(g):
+        for src in range(g):
+            if src != dst:
+                traffic[src, dst] = interval_size(intersect(needed[dst], held[src]))
+    slot_of_position = torch.empty(layout.padded_seq_len, dtype=torch.long)
+    slot_of_position[layout.slot_positions.reshape(-1)] = torch.arange(layout.padded_seq_len)
+    owner = slot_of_position // local_len
+    left = []
+    for r in range(g):
+        starts = held[r][:, 0]
+        starts = starts[starts > 0]
+        left.append(frozenset(int(o) for o in owner[starts - 1].tolist()) - {r})
+    halo_valid = all(
+        int(traffic[src, dst]) == 0 or src in left[dst] for dst in range(g) for src in range(g) if src != dst
+    )
+    return ExchangePlan(g, local_len, sliding_window, needed, held, traffic, tuple(left), halo_valid, slot_of_position)
+
+
+def choose_exchange(requested: str, plan: ExchangePlan, needed_only_allowed: bool = True) -> str:
+    """The exchange a step runs, from the configured name (canonical) and the plan.
+
+    - explicit `allgather` / `a2a`: as asked; explicit `halo`: halo if valid, else `a2a`
+      (same bytes, every layout), so a long document never makes a step fail;
+    - `auto`: the cheapest correct one by the busiest rank's forward + backward rows: halo
+      when valid, else a2a, else allgather (ties go to allgather, the best-tuned collective).
+      `needed_only_allowed=False` (a group over several nodes without opt-in) and G = 1 keep
+      allgather.
+    Deterministic in the plan, so every rank of a group that agrees on the pack agrees here.
+    """
+    if requested == "allgather" or requested == "a2a":
+        return requested
+    if requested == "halo":
+        return "halo" if plan.halo_valid else "a2a"
+    if requested != "auto":
+        raise ValueError(f"kv_exchange must be one of auto, {', '.join(EXCHANGE_KINDS)}; got {requested!r}")
+    if plan.cp_size == 1 or not needed_only_allowed:
+        return "allgather"
+    if plan.max_rows("a2a") >= plan.max_rows("allgather"):
+        return "allgather"
+    return "halo" if plan.halo_valid else "a2a"
+
+
+# --------------------------------------------------------------------------- one rank's routes
+
+
+@dataclass(frozen=True)
+class RankRoutes:
+    """Index tables one rank's needed-only exchange runs with (built once per step).
+
+    The exchange returns `num_keys` rows, the needed keys in increasing pack position (the
+    key order of `needed_rank_plan`). Own rows are copied (`local_rows` -> `local_out`);
+    rows sent to rank d are `send_rows[sum(send_counts[:d]) : ...]` (local row indices, in
+    position order); rows received from rank s arrive grouped by s in position order and
+    land at `recv_out`.
+    """
+
+    rank: int
+    cp_size: int
+    num_keys: int
+    key_positions: torch.Tensor  # [K]
+    local_rows: torch.Tensor  # [n_local] int64 local row indices
+    local_out: torch.Tensor  # [n_local] int64 output rows
+    send_rows: torch.Tensor  # [n_send] int64 local row indices, grouped by destination
+    send_counts: tuple[int, ...]  # [G]
+    recv_counts: tuple[int, ...]  # [G]
+    recv_out: torch.Tensor  # [n_recv] int64 output rows, in arrival order
+    any_traffic: bool  # whether any rank of the group sends anything (same on every rank)
+
+    def to(self, device: torch.device) -> "RankRoutes":
+        def move(t):
+            return t.to(device, non_blocking=True)
+
+        return RankRoutes(
+            self.rank, self.cp_size, self.num_keys, move(self.key_positions), move(self.local_rows), move(self.local_out),
+            move(self.send_rows), self.send_counts, self.recv_counts, move(self.recv_out), self.any_traffic,
+        )
+
+
+def rank_routes(layout: Layout, plan: ExchangePlan, rank: int) -> RankRoutes:
+    """Send / receive / copy tables of `rank` for the needed-only exchanges of `plan`."""
+    g, local_len = plan.cp_size, plan.local_len
+    slot = plan._slot_of_position
+    key_pos = expand(plan.needed[rank])
+    key_slot = slot[key_pos]
+    owner = key_slot // local_len
+    own = owner == rank
+    local_out = torch.nonzero(own).reshape(-1)
+    remote = torch.nonzero(~own).reshape(-1)
+    recv_out = remote[torch.argsort(owner[remote], stable=True)]  # by source rank, then position
+    send_parts = []
+    for dst in range(g):
+        if dst != rank:
+            send_parts.append(slot[expand(intersect(plan.needed[dst], plan.held[rank]))] % local_len)
+    send_rows = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.long)
+    return RankRoutes(
+        rank=rank,
+        cp_size=g,
+        num_keys=key_pos.numel(),
+        key_positions=key_pos,
+        local_rows=key_slot[local_out] % local_len,
+        local_out=local_out,
+        send_rows=send_rows,
+        send_counts=tuple(int(x) for x in plan.traffic[rank].tolist()),
+        recv_counts=tuple(int(x) for x in plan.traffic[:, rank].tolist()),
+        recv_out=recv_out,
+        any_traffic=plan.total_traffic > 0,
+    )
+
+
+def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
+    """`plan_rank` with the needed-only key set: keys are exactly the rows the halo / a2a
+    exchange returns (`key_rows = (0, K)`), grouped by segment in pack order.
+
+    Identical to `plan_rank` for real queries without a window; padding runs keep only the
+    padding rows this rank holds.
+    """
+    base = plan_rank(layout, rank)
+    k_pos = expand(plan.needed[rank])
+    k_seg = layout.segments.segment_ids[k_pos]
+    run_first = base.cu_seqlens_q[:-1].long()
+    run_seg = base.q_segments[run_first]
+    n_segments = layout.segments.boundaries.numel() - 1
+    per_segment = torch.bincount(k_seg, minlength=n_segments)
+    k_lens = per_segment[run_seg]
+    if int(k_lens.sum()) != k_pos.numel():  # every needed key belongs to a segment some local query is in
+        raise AssertionError("needed keys outside this rank's query segments")
+    zero = torch.zeros(1, dtype=torch.long)
+    return RankPlan(
+        rank=rank,
+        q_positions=base.q_positions,
+        q_segments=base.q_segments,
+        key_rows=(0, k_pos.numel()),
+        k_positions=k_pos,
+        k_segments=k_seg,
+        cu_seqlens_q=base.cu_seqlens_q,
+        cu_seqlens_k=torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32),
+        max_seqlen_q=base.max_seqlen_q,
+        max_seqlen_k=int(k_lens.max()) if k_lens.numel() else 0,
+    )

@@ -1,0 +1,78 @@
+"""Exactness (I1, I2) with the needed-only exchanges: `halo`, `a2a` and `auto` give the same loss
+and gradients as the stock model on each document separately, at world sizes 2-4, with and
+without activation checkpointing (the parity cases of test_parity.py), including a document
+over three or more ranks (halo hands over to a2a) and a rank that holds only padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.exchange_plan import kv_row_bytes
+from packs import make_pack
+from reference import build_models
+from test_parity import TOL, parity_case
+
+# (layout, world size) -> the exchange that `halo` and `auto` must run. span_all puts one
+# document on every rank: at G = 2 it spans two ranks (halo), from G = 3 on three or more (a2a).
+EXPECTED_NEEDED_ONLY = {
+    ("span_all", 2): "halo",
+    ("span_all", 3): "a2a",
+    ("span_all", 4): "a2a",
+    ("padding_rank", 2): "halo",
+    ("padding_rank", 3): "halo",
+    ("padding_rank", 4): "halo",
+    ("straddle", 3): "halo",
+}
+
+
+def chosen_exchange_case(rank, world_size, group, layout, exchange):
+    """The exchange the step runs, and the K/V bytes it moved in one llama fwd+bwd with
+    checkpointing, against the plan (forward twice: once more in recompute)."""
+    bdcp.configure_cp_varlen("dense", exchange)
+    try:
+        _, model = build_models("llama")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _, batch = make_pack(layout, world_size)
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        step = local["blockdiag_cp_step"]
+        with train_ctx():
+            model(**local).loss.backward()
+    finally:
+        bdcp.configure_cp_varlen()
+    cfg = model.config
+    row_bytes = kv_row_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
+    layers = cfg.num_hidden_layers
+    plan = step.exchange_plan.bytes_per_layer(step.kv_exchange, rank, row_bytes)
+    meter = step.exchange_bytes
+    return step.kv_exchange, (meter.forward_bytes, meter.backward_bytes), (2 * layers * plan.forward, layers * plan.backward)
+
+
+def _check(results):
+    for rank, worst in enumerate(results):
+        for variant, (err, name, loss_err) in worst.items():
+            assert err <= TOL, f"rank {rank} {variant}: {name} relative error {err:.2e} > {TOL}"
+            assert loss_err <= TOL, f"rank {rank} {variant}: loss relative error {loss_err:.2e}"
+
+
+@pytest.mark.parametrize("exchange", ["halo", "a2a", "auto"])
+@pytest.mark.parametrize("layout", ["span_all", "padding_rank"])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_needed_only_parity(gloo, world_size, layout, exchange):
+    pool = gloo(world_size)
+    chosen = pool.run(chosen_exchange_case, layout=layout, exchange=exchange)
+    want = "a2a" if exchange == "a2a" else EXPECTED_NEEDED_ONLY[(layout, world_size)]
+    for rank, (name, measured, planned) in enumerate(chosen):
+        assert name == want, f"rank {rank}: kv_exchange={exchange!r} ran {name!r}, expected {want!r}"
+        assert measured == planned, f"rank {rank}: exchanged bytes (fwd, bwd) {measured} != plan {planned}"
+    _check(pool.run(parity_case, layout=layout, exchange=exchange))
+
+
+def test_halo_straddle_three_ranks(gloo):
+    """Short documents straddling rank boundaries at G = 3: a real left halo (not only padding)."""
+    pool = gloo(3)
+    chosen = pool.run(chosen_exchange_case, layout="straddle", exchange="halo")
+    assert {c[0] for c in chosen} == {"halo"}
+    assert any(c[1][0] > 0 for c in chosen), "the halo moved no rows; the layout no longer tests a halo"
+    _check(pool.run(parity_case, layout="straddle", exchange="halo"))

@@ -1,0 +1,107 @@
+"""I5 under failure: one rank raises inside the attention kernel, after the layer's K/V exchange;
+every rank of the CP group must end with an error, none may hang.
+
+What ends the peers is what ends them in production: a rank whose step raised exits, and a
+dead process closes its gloo sockets, so peers waiting for it in any later collective raise
+at once ("Connection closed by peer"; under NCCL, torchrun stops the other workers and the
+watchdog's process-group timeout bounds the rest). The pool's workers must survive the test,
+so each case runs on a throw-away subgroup and a rank "exits" by releasing that subgroup
+(destroy it, drop every reference): its sockets close exactly as at process exit. The
+subgroup's timeout is longer than the test's, so the test fails if anything relies on it.
+"""
+
+from __future__ import annotations
+
+import gc
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp import kernels
+from packs import make_pack
+from reference import build_models
+
+CASE_TIMEOUT = 120.0  # seconds the pool waits for every rank (then it fails the test)
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def fault_case(rank, world_size, group, exchange, layout, failing_rank):
+    sub = dist.new_group(backend="gloo", timeout=timedelta(seconds=10 * CASE_TIMEOUT))
+    original = kernels.KERNELS["dense"]
+
+    def faulty_kernel(q, k, v, step, **kwargs):
+        if rank == failing_rank:
+            raise InjectedFault(f"injected failure in the kernel on rank {rank}, after the {step.kv_exchange} exchange")
+        return original(q, k, v, step, **kwargs)
+
+    bdcp.configure_cp_varlen("dense", exchange)
+    kernels.KERNELS["dense"] = faulty_kernel
+    error, refused_again, ran = None, None, None
+    try:
+        for _ in range(2):  # a rank that depends on nobody who failed meets the others at the next step
+            _, model = build_models("llama")
+            _, batch = make_pack(layout, world_size)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, batch)
+            ran = local["blockdiag_cp_step"].kv_exchange
+            with train_ctx():
+                model(**local).loss.backward()
+            del model, batch, train_ctx, local
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+        error = f"{type(exc).__name__}: {exc}\n" + "\n".join(getattr(exc, "__notes__", []))
+        if rank != failing_rank:
+            try:  # a group whose collective failed is refused at once, without a collective
+                bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, make_pack(layout, world_size)[1])
+            except RuntimeError as again:
+                refused_again = str(again)
+    finally:
+        kernels.KERNELS["dense"] = original
+        bdcp.configure_cp_varlen()
+        # This rank "exits": release the subgroup so its sockets close, as at process exit.
+        model = batch = train_ctx = local = None
+        dist.destroy_process_group(sub)
+        del sub
+        gc.collect()
+    if error is None:
+        return f"rank {rank} finished its steps ({ran}) although rank {failing_rank} failed"
+    raise RuntimeError(f"[exchange {ran}] {error}\n[second attempt] {refused_again}")
+
+
+@pytest.mark.parametrize(
+    "exchange, layout, failing_rank",
+    [
+        ("allgather", "span_all", 1),
+        ("a2a", "span_all", 1),
+        ("halo", "straddle", 2),  # only rank 1 talks to rank 2: the failure reaches rank 0 through rank 1
+    ],
+)
+def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank):
+    world_size = 3
+    pool = gloo(world_size)
+    results, errors = pool.run_collecting(
+        fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank
+    )
+    assert not results, f"ranks {sorted(results)} did not raise: {results}"
+    assert sorted(errors) == list(range(world_size))
+    assert f"[exchange {exchange}]" in errors[failing_rank]
+    assert "InjectedFault: injected failure in the kernel" in errors[failing_rank]
+    for rank, tb in errors.items():
+        if rank == failing_rank:
+            continue
+        assert "Connection" in tb and "by peer" in tb, f"rank {rank} did not fail in a collective:\n{tb}"
+        assert "a peer rank of the CP group has probably raised or exited" in tb, f"rank {rank}:\n{tb}"
+        assert "failed in an earlier step" in tb, f"rank {rank} could reuse a failed group:\n{tb}"
+    # the pool's own group is untouched
+    assert pool.run(_world_still_works) == [world_size] * world_size
+
+
+def _world_still_works(rank, world_size, group):
+    import torch
+
+    t = torch.ones(1)
+    dist.all_reduce(t, group=group)
+    return int(t.item())
