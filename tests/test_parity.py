@@ -13,7 +13,7 @@ TOL = 1e-4
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
 
 
-def parity_case(rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather"):
+def parity_case(rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous"):
     """For every family and with/without activation checkpointing: the worst relative error."""
     bdcp.configure_cp_varlen(backend, exchange)
     worst = {}
@@ -24,7 +24,7 @@ def parity_case(rank, world_size, group, layout, families=FAMILIES, backend="den
             ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy)
             with train_ctx():
                 loss = model(**local).loss
                 loss.backward()
