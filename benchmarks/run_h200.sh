@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>
 python3 -c "import torch, transformers, hf_blockdiag_cp; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/env.txt"
 if [ -n "${TESTS:-}" ]; then
-  timeout "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -o timeout=280 $TESTS 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E  |^FAILED" | tail -30
+  eval timeout "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -o timeout=280 "$TESTS" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E  |^FAILED" | tail -30
 fi
 for part in KERNELS MODEL RANKS; do
   args="${!part:-}"; limit_var="${part}_LIMIT"
