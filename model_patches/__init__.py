@@ -1,1 +1,23 @@
-"""Per-family patches for models that need more than the attention interface (see README)."""
+"""Per-family patches for models that need more than the attention interface (see README).
+
+`apply_model_patches(model)` installs what a model needs (registry keyed by `model_type`);
+the runtime refuses, at the first attention call of a CP step, a model that needs a patch it
+did not get or whose type is known to bypass the interface (`UNSUPPORTED_MODEL_TYPES`).
+
+Families: `phi3` (LongRoPE / dynamic RoPE from the global pack), `qwen2_vl` (Qwen2-VL and
+Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions).
+"""
+
+from . import phi3, qwen2_vl  # noqa: F401  (registration)
+from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
+from .unsupported import UNSUPPORTED_MODEL_TYPES
+
+__all__ = [
+    "PATCHES",
+    "UNSUPPORTED_MODEL_TYPES",
+    "ModelPatch",
+    "apply_model_patches",
+    "check_attention_module",
+    "patches_for",
+    "register_patch",
+]

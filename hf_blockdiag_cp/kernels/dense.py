@@ -1,7 +1,11 @@
-"""Dense kernel: SDPA with a boolean [L, K_needed] per-segment causal mask.
+"""Dense kernel: attention over a boolean [L, K_needed] per-segment causal mask.
 
 The reference and last fallback: exact, runs anywhere (CPU fp32 training included), but
 memory and time grow with L·K. Never used on a fast path by `auto` on CUDA.
+
+Plain layers run SDPA with the mask. Layers with a logit softcap (Gemma2) or attention sinks
+(GPT-OSS) need the scores themselves, so they run `attention_with_features`: explicit math
+on `[H, L, K_needed]` scores, still nothing of size S².
 """
 
 from __future__ import annotations
@@ -13,13 +17,72 @@ from ..layout import dense_allowed
 from ..state import CPStep
 
 
-def dense_attention(q, k, v, step: CPStep, *, scale: float, sliding_window: int | None) -> torch.Tensor:
+def attention_with_features(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Softmax attention with the features SDPA lacks. q [H,L,Dk], k [Hkv,K,Dk], v [Hkv,K,Dv] -> [H,L,Dv].
+
+    `allowed` is a boolean mask broadcastable to [H,L,K] (None: every key); `bias` an additive
+    float mask (the eager convention). Query head h reads key head h // (H // Hkv), as
+    Transformers' `repeat_kv` does, without materialising the repeat. `softcap` maps scores to
+    `softcap·tanh(s/softcap)` before masking; `sinks [H]` adds one extra logit per head to the
+    softmax denominator (its probability mass is dropped), i.e. once to the final log-sum-exp.
+    Scores and softmax are computed in at least float32.
+    """
+    heads, q_len, head_dim_k = q.shape
+    kv_heads, k_len, _ = k.shape
+    group = heads // kv_heads
+    grouped_q = q.reshape(kv_heads, group * q_len, head_dim_k)
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(grouped_q, k.transpose(1, 2)).view(heads, q_len, k_len).to(acc) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias.to(acc)
+    if allowed is not None:
+        # Finite, like the eager path's additive mask: a fully masked row (left padding outside a
+        # step) stays finite instead of turning into NaN that later layers would pick up.
+        scores = scores.masked_fill(~allowed, torch.finfo(acc).min)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        total = torch.logaddexp(lse, sinks.to(acc).reshape(heads, 1, 1))
+        probs = torch.exp(scores - total)
+    out = torch.matmul(probs.to(v.dtype).view(kv_heads, group * q_len, k_len), v)
+    return out.view(heads, q_len, v.shape[-1])
+
+
+def dense_attention(
+    q,
+    k,
+    v,
+    step: CPStep,
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
     plan = step.plan
     mask = step.cached(
         ("dense", sliding_window),
         lambda: dense_allowed(plan.q_positions, plan.q_segments, plan.k_positions, plan.k_segments, sliding_window),
     )
+    if softcap is not None or sinks is not None:
+        out = attention_with_features(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, softcap=softcap, sinks=sinks
+        )
+        return out.transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),

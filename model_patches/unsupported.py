@@ -1,0 +1,46 @@
+"""Model types known to bypass the attention interface, and why.
+
+These models mix tokens with state-space (Mamba) scans, linear attention, gated recurrences
+or short causal convolutions, whole or in part. Those layers see only the local shard under
+CP and know nothing of packed document boundaries, so training would be silently wrong.
+`apply_model_patches` and the first attention call of a CP step raise for them, unless a
+patch in `model_patches` exists for the type (none yet). See `tests/test_recurrent.py` for
+how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
+"""
+
+from __future__ import annotations
+
+_SSM = "state-space (Mamba) layers"
+_SSM_HYBRID = "a hybrid of attention and state-space (Mamba) layers"
+_LINEAR_HYBRID = "a hybrid of attention and linear-attention / gated delta-rule layers"
+
+UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "mamba": _SSM,
+    "mamba2": _SSM,
+    "falcon_mamba": _SSM,
+    "jamba": _SSM_HYBRID,
+    "bamba": _SSM_HYBRID,
+    "zamba": _SSM_HYBRID,
+    "zamba2": _SSM_HYBRID,
+    "falcon_h1": "parallel attention and state-space (Mamba) mixers in every layer",
+    "granitemoehybrid": _SSM_HYBRID,
+    "nemotron_h": _SSM_HYBRID,
+    "qwen3_next": _LINEAR_HYBRID,
+    "qwen3_5": _LINEAR_HYBRID,
+    "qwen3_5_text": _LINEAR_HYBRID,
+    "qwen3_5_moe": _LINEAR_HYBRID,
+    "qwen3_5_moe_text": _LINEAR_HYBRID,
+    "kimi_linear": _LINEAR_HYBRID,
+    "olmo_hybrid": _LINEAR_HYBRID,
+    "bailing_hybrid": _LINEAR_HYBRID,
+    "minimax": "a hybrid of attention and lightning (linear) attention layers",
+    "lfm2": "a hybrid of attention and short causal convolution layers",
+    "lfm2_moe": "a hybrid of attention and short causal convolution layers",
+    "recurrent_gemma": "gated linear recurrence (RG-LRU) and causal convolution layers",
+    "rwkv": "RWKV time-mixing recurrences instead of softmax attention",
+    "xlstm": "mLSTM / sLSTM recurrences instead of softmax attention",
+    "zaya": "causal convolutions over q/k and a delayed recurrent value state (CCA) before attention",
+    # Sparse attention whose indexer picks keys per query from the (local) attention mask.
+    "deepseek_v32": "DeepSeek sparse attention: an indexer selects keys from the full-sequence mask",
+    "glm_moe_dsa": "DeepSeek-style sparse attention: an indexer selects keys from the full-sequence mask",
+}

@@ -1,0 +1,151 @@
+"""Tiny configs of the model families covered by `test_models.py`, built from configs only
+(no downloads), and a per-document reference that also takes per-document extra inputs
+(3-D mRoPE positions for Qwen2-VL).
+
+Each config switches on the feature the family is there to test, at a size where the feature
+changes the result: windows smaller than a shard, a softcap small enough that tanh bends the
+scores, random sinks, Dv != Dk, non-default Granite multipliers, LongRoPE whose original
+context is shorter than the documents.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    Gemma2Config,
+    GptOssConfig,
+    GraniteConfig,
+    MistralConfig,
+    Olmo2Config,
+    Phi3Config,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen3Config,
+)
+
+import hf_blockdiag_cp as bdcp
+import model_patches
+from reference import VOCAB
+
+WINDOW = 3  # smaller than every shard in the packs used here
+LONGROPE_ORIGINAL_CONTEXT = 8
+
+_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,  # large enough that attention features (softcap, sinks, RoPE factors) move the result
+)
+_BOTH_LAYER_KINDS = ["sliding_attention", "full_attention"]
+
+
+def tiny_config(family: str):
+    b = dict(_BASE)
+    if family == "mistral":
+        return MistralConfig(**b, sliding_window=WINDOW)
+    if family == "qwen2":  # layer 0 full, layer 1 sliding
+        return Qwen2Config(**b, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    if family == "qwen3":
+        return Qwen3Config(**b, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    if family == "gemma2":
+        return Gemma2Config(
+            **b, sliding_window=WINDOW, layer_types=_BOTH_LAYER_KINDS, attn_logit_softcapping=0.5,
+            final_logit_softcapping=5.0, query_pre_attn_scalar=6,
+        )
+    if family == "gpt_oss":
+        b["intermediate_size"] = 32
+        return GptOssConfig(
+            **b, sliding_window=WINDOW, layer_types=_BOTH_LAYER_KINDS, num_local_experts=4, num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        )
+    if family == "deepseek_v3":  # MLA: Dk = 8 + 4 = 12, Dv = 6; K/V pre-expanded to every head
+        for key in ("head_dim", "num_key_value_heads"):
+            b.pop(key)
+        return DeepseekV3Config(
+            **b, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        )
+    if family == "granite":
+        return GraniteConfig(
+            **b, attention_multiplier=0.3, embedding_multiplier=2.5, residual_multiplier=0.6, logits_scaling=3.0
+        )
+    if family == "olmo2":
+        return Olmo2Config(**b)
+    if family == "phi3":
+        b.pop("head_dim")  # Phi-3 derives it: 32 / 4 = 8, so 4 rotary factors
+        return Phi3Config(
+            **b, original_max_position_embeddings=LONGROPE_ORIGINAL_CONTEXT,
+            rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0, 4.0],
+                "long_factor": [3.0, 7.0, 13.0, 31.0], "original_max_position_embeddings": LONGROPE_ORIGINAL_CONTEXT,
+            },
+        )
+    if family == "qwen2_vl":
+        text = {k: v for k, v in b.items() if k not in ("tie_word_embeddings",)}
+        return Qwen2VLConfig(
+            text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
+            initializer_range=0.1,
+            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                               temporal_patch_size=1, spatial_merge_size=1, in_channels=3),
+            tie_word_embeddings=False, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+        )
+    raise ValueError(family)
+
+
+def build_pair(family: str, seed: int = 0):
+    """(reference eager model, patched blockdiag_cp model) with identical weights."""
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    if family == "qwen2_vl":
+        ref = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    else:
+        ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("sinks"):  # GPT-OSS initialises sinks to one value; make every head differ
+                p.copy_(torch.randn_like(p))
+    ref.train()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(bdcp.ATTN_IMPLEMENTATION)
+    model_patches.apply_model_patches(model)
+    return ref, model
+
+
+def mrope_positions(length: int, offset: int = 0) -> torch.Tensor:
+    """Distinct 3-D positions [3, 1, n] for a text document: t, h, w advance at different rates,
+    so a shard that took the wrong rows of any axis would change the result."""
+    t = torch.arange(length)
+    return torch.stack([t, t // 2, (t * 3) // 2])[:, None, :] + offset
+
+
+def reference_loss_and_grads(ref, docs, extra_per_doc=None):
+    """Mean next-token loss over every document run separately (eager), and its gradients."""
+    ref.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for i, d in enumerate(docs):
+        extra = extra_per_doc[i] if extra_per_doc else {}
+        logits = ref(input_ids=d[None], **extra).logits[0]
+        if d.numel() > 1:
+            total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
+            count += d.numel() - 1
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
