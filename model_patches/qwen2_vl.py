@@ -5,9 +5,12 @@ Why: the model merges image features into the token embeddings by position
 (`masked_scatter` over image placeholder tokens) and computes 3-D mRoPE position ids from
 the whole sequence (`get_rope_index`: image grids shift every later position). Neither can
 be done on a shard. So the batch is sharded with `shard_primary=False` (every rank gets the
-full padded pack: input ids and position ids) and this patch slices the text model's inputs
-(`inputs_embeds` and the 3-D / 4-row `position_ids`) to this rank's rows just before the
-decoder layers; labels are already sharded. The vision tower runs unsharded on every rank,
+full padded pack: input ids and position ids; images pass through, they are not
+sequence-aligned) and this patch slices the text model's inputs (`inputs_embeds` and the
+3-D / 4-row `position_ids`) to this rank's rows just before the decoder layers; labels are
+already sharded. With images or videos, pass the pack's 3-D position ids (every document's
+`get_rope_index`, concatenated) and `document_ids`: the shard step would otherwise supply
+1-D text positions, so the patch refuses that case. The vision tower runs unsharded on every rank,
 with bidirectional attention that `blockdiag_cp` passes to stock SDPA. Each rank's loss
 depends on its own rows only, so gradients reaching the embeddings and the vision tower are
 this rank's share, and their mean over the CP group is the non-CP gradient (invariant I2).
@@ -34,10 +37,26 @@ def _primary_length(args, kwargs) -> int | None:
     return args[0].shape[1] if args and isinstance(args[0], torch.Tensor) else None
 
 
+_VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs")
+
+
 def _require_full_pack(module, args, kwargs):
-    """Outer VL model: under CP it must receive the full padded pack (shard_primary=False)."""
+    """Outer VL model: under CP it must receive the full padded pack (shard_primary=False), and
+    with images or videos the 3-D mRoPE positions of that pack."""
     step = _step(kwargs)
-    if step is None or step.world_size == 1:
+    if step is None:
+        return None
+    pos = kwargs.get("position_ids")
+    if any(kwargs.get(k) is not None for k in _VISION_INPUTS) and (pos is None or pos.ndim != 3):
+        # The shard step supplies 1-D text positions when none are given; with vision tokens the
+        # model would silently rotate them as text.
+        raise ValueError(
+            f"blockdiag_cp ({type(module).__name__}): a CP step with images or videos needs position_ids [3,1,S] "
+            "(mRoPE) for the whole pack, given with document_ids: concatenate model.model.get_rope_index(...) of "
+            "every document (got "
+            f"{'none' if pos is None else tuple(pos.shape)})"
+        )
+    if step.world_size == 1:
         return None
     padded, local = step.layout.padded_seq_len, step.local_len
     for key in ("input_ids", "inputs_embeds", "position_ids"):

@@ -97,7 +97,7 @@ def tiny_config(family: str):
                 "long_factor": [3.0, 7.0, 13.0, 31.0], "original_max_position_embeddings": LONGROPE_ORIGINAL_CONTEXT,
             },
         )
-    if family == "qwen2_vl":
+    if family in ("qwen2_vl", "qwen2_vl_image"):
         text = {k: v for k, v in b.items() if k not in ("tie_word_embeddings",)}
         return Qwen2VLConfig(
             text_config=dict(text, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}),
@@ -113,7 +113,7 @@ def build_pair(family: str, seed: int = 0):
     """(reference eager model, patched blockdiag_cp model) with identical weights."""
     torch.manual_seed(seed)
     config = tiny_config(family)
-    if family == "qwen2_vl":
+    if family.startswith("qwen2_vl"):
         ref = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager", dtype=torch.float32)
     else:
         ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
@@ -149,3 +149,18 @@ def reference_loss_and_grads(ref, docs, extra_per_doc=None):
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
     return loss.detach(), grads
+
+
+IMAGE_TOKEN = VOCAB - 1
+IMAGE_GRID = (1, 2, 2)  # one frame of 2x2 patches (patch 2, no merge): 4 image tokens, pixel rows of 3*1*2*2
+
+
+def vl_image_docs(seed: int = 5):
+    """Documents text-image-text: (input ids, mm_token_type_ids, pixel_values) per document."""
+    g = torch.Generator().manual_seed(seed)
+    docs = []
+    for before, after in ((2, 3), (1, 6), (4, 2), (3, 3)):
+        ids = torch.cat([torch.randint(3, 90, (before,), generator=g), torch.full((4,), IMAGE_TOKEN),
+                         torch.randint(3, 90, (after,), generator=g)])
+        docs.append((ids, (ids == IMAGE_TOKEN).int(), torch.randn(4, 12, generator=g)))
+    return docs

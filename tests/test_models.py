@@ -22,7 +22,15 @@ from hf_blockdiag_cp.kernels.flex import flex_attention_kernel
 from hf_blockdiag_cp.layout import document_ids_from_lengths, plan_layout
 from hf_blockdiag_cp.runtime import AttentionFeatures, blockdiag_cp_attention_forward, local_attention
 from hf_blockdiag_cp.state import CPStep
-from model_zoo import LONGROPE_ORIGINAL_CONTEXT, WINDOW, build_pair, mrope_positions, reference_loss_and_grads
+from model_zoo import (
+    IMAGE_GRID,
+    LONGROPE_ORIGINAL_CONTEXT,
+    WINDOW,
+    build_pair,
+    mrope_positions,
+    reference_loss_and_grads,
+    vl_image_docs,
+)
 from packs import make_pack
 from reference import compare_with_reference, make_docs, rel_err
 
@@ -39,7 +47,8 @@ WORLD_SIZES = {
     "granite": (1, 4),
     "olmo2": (2, 3),
     "phi3": (2, 4),
-    "qwen2_vl": (1, 3),
+    "qwen2_vl": (1, 3),  # text stack, 3-D positions given
+    "qwen2_vl_image": (2, 4),  # with images: vision tower unsharded on every rank
 }
 CASES = [(family, g) for family, sizes in WORLD_SIZES.items() for g in sizes]
 
@@ -55,7 +64,7 @@ def _pack_from_docs(docs, extra_rows=None):
     return batch
 
 
-def family_pack(family: str, world_size: int, mixed_longrope: bool = False):
+def family_pack(family: str, world_size: int, mixed_longrope: bool = False, model=None):
     """(docs, packed batch, per-document extra reference inputs, shard_primary)."""
     if family == "phi3":
         # Every document is longer than the original context (LongRoPE's long factors for each
@@ -70,8 +79,28 @@ def family_pack(family: str, world_size: int, mixed_longrope: bool = False):
         positions = torch.cat([mrope_positions(d.numel()) for d in docs], dim=-1)
         extra = [{"position_ids": mrope_positions(d.numel())} for d in docs]
         return docs, _pack_from_docs(docs, {"position_ids": positions}), extra, False
+    if family == "qwen2_vl_image":
+        return _vl_image_pack(model)
     docs, batch = make_pack("straddle", world_size)
     return docs, batch, None, True
+
+
+def _vl_image_pack(model):
+    """Text-image-text documents. The pack's 3-D positions are every document's stock
+    `get_rope_index`, concatenated (what a user's collator does); the reference instead lets
+    the stock model compute them from mm_token_type_ids, document by document."""
+    items = vl_image_docs()
+    grid = torch.tensor([IMAGE_GRID])
+    rope_index = model.model.get_rope_index
+    positions = torch.cat([rope_index(ids[None], types[None], image_grid_thw=grid)[0] for ids, types, _ in items], dim=-1)
+    docs = [ids for ids, _, _ in items]
+    batch = _pack_from_docs(docs, {
+        "position_ids": positions,
+        "pixel_values": torch.cat([px for _, _, px in items]),
+        "image_grid_thw": grid.repeat(len(items), 1),
+    })
+    extra = [{"pixel_values": px, "image_grid_thw": grid, "mm_token_type_ids": types[None]} for _, types, px in items]
+    return docs, batch, extra, False
 
 
 def packed_stock_reference(ref, docs):
@@ -99,7 +128,7 @@ def model_parity_case(rank, world_size, group, family, mixed_longrope=False):
     bdcp.configure_cp_varlen("auto")
     try:
         ref, model = build_pair(family)
-        docs, batch, extra, shard_primary = family_pack(family, world_size, mixed_longrope)
+        docs, batch, extra, shard_primary = family_pack(family, world_size, mixed_longrope, ref)
         if mixed_longrope:
             ref_loss, ref_grads = packed_stock_reference(ref, docs)
         else:
@@ -321,7 +350,7 @@ def test_window_is_smaller_than_every_shard():
     """Guard on the test data itself: the parity cases exercise windows smaller than a shard."""
     for family, sizes in WORLD_SIZES.items():
         for g in sizes:
-            _, batch, _, _ = family_pack(family, g)
+            _, batch, _, _ = family_pack(family, g, model=build_pair(family)[0] if "image" in family else None)
             local = plan_layout(batch["document_ids"][0] if "document_ids" in batch else torch.ones(batch["input_ids"].shape[1]), g).local_len
             assert WINDOW < local
 
@@ -340,3 +369,44 @@ def test_qwen2_vl_needs_the_full_pack(gloo):
     assert not results and sorted(errors) == [0, 1]
     for tb in errors.values():
         assert "ValueError" in tb and "shard_primary=False" in tb, tb[-800:]
+
+
+def test_qwen2_vl_images_need_3d_positions():
+    """Images with the shard step's 1-D text positions would rotate image tokens as text: refused."""
+    ref, model = build_pair("qwen2_vl_image")
+    _, batch, _, _ = _vl_image_pack(ref)
+    del batch["position_ids"]
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, shard_primary=False)
+    with pytest.raises(ValueError, match=r"position_ids \[3,1,S\]"):
+        with train_ctx():
+            model(**local)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention has no CPU backward)")
+@pytest.mark.parametrize("softcap,use_sinks", [(0.7, False), (None, True), (0.7, True)])
+def test_flex_features_forward_and_backward_cuda(softcap, use_sinks):
+    """On CUDA the flex kernel trains: outputs and gradients of q, k, v and the sinks equal the dense kernel's."""
+    layout, q, k, v, sinks = _kernel_inputs(2, dv=8)
+    device = torch.device("cuda")
+    leaves = [t.float().to(device).requires_grad_() for t in (q, k, v, sinks)]
+    rows = layout.slot_positions.reshape(-1).to(device)
+    results = {}
+    for backend in ("dense", "flex"):
+        grads, outs = [torch.zeros_like(t) for t in leaves], []
+        for rank in range(2):
+            step = CPStep.for_rank(layout, rank, None, device, backend, "allgather")
+            mine = layout.slot_positions[rank].to(device)
+            lv = [t.detach().clone().requires_grad_() for t in leaves]
+            features = AttentionFeatures(softcap, lv[3] if use_sinks else None)
+            out = local_attention(step, lv[0][mine], lv[1][rows], lv[2][rows], scale=0.4, sliding_window=3, features=features)
+            out.square().sum().backward()
+            outs.append(out.detach())
+            for acc, t in zip(grads, lv):
+                if t.grad is not None:
+                    acc += t.grad
+        results[backend] = (outs, grads)
+    for a, b in zip(results["flex"][0], results["dense"][0]):
+        assert rel_err(a, b) < 1e-4
+    for name, a, b in zip(("q", "k", "v", "sinks"), results["flex"][1], results["dense"][1]):
+        assert rel_err(a, b) < 1e-4, name
