@@ -290,32 +290,41 @@ def rank_routes(layout: Layout, plan: ExchangePlan, rank: int) -> RankRoutes:
 
 
 def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
-    """`plan_rank` with the needed-only key set: keys are exactly the rows the halo / a2a
-    exchange returns (`key_rows = (0, K)`), grouped by segment in pack order.
+    """`plan_rank` over the rows the halo / a2a exchange returns (the needed keys, once each, in
+    pack order): the same query runs, and per run the needed keys of its segment up to its
+    last query (from `q - W + 1` of its first query under the plan's window). `key_rows`
+    indexes the exchange's rows, `(0, K)` when the runs use each row once in order.
 
-    Identical to `plan_rank` for real queries without a window; padding runs keep only the
-    padding rows this rank holds.
+    For real queries without a window every run's keys equal `plan_rank`'s; a padding run
+    sees only the padding rows of its segment that this rank holds.
     """
     base = plan_rank(layout, rank)
-    k_pos = expand(plan.needed[rank])
-    k_seg = layout.segments.segment_ids[k_pos]
-    run_first = base.cu_seqlens_q[:-1].long()
-    run_seg = base.q_segments[run_first]
-    n_segments = layout.segments.boundaries.numel() - 1
-    per_segment = torch.bincount(k_seg, minlength=n_segments)
-    k_lens = per_segment[run_seg]
-    if int(k_lens.sum()) != k_pos.numel():  # every needed key belongs to a segment some local query is in
-        raise AssertionError("needed keys outside this rank's query segments")
+    seg = layout.segments
+    rows = expand(plan.needed[rank])  # the exchange's output rows, by position
+    cu_q = base.cu_seqlens_q.long()
+    first_q, last_q = base.q_positions[cu_q[:-1]], base.q_positions[cu_q[1:] - 1]
+    begin = seg.segment_starts[first_q]
+    if plan.sliding_window is not None:
+        real = layout.document_ids[first_q] > 0
+        begin = torch.where(real, torch.maximum(begin, first_q - plan.sliding_window + 1), begin)
+    lo = torch.searchsorted(rows, begin)
+    hi = torch.searchsorted(rows, last_q, right=True)
+    k_lens = hi - lo
+    index = torch.arange(int(k_lens.sum())) + torch.repeat_interleave(lo - (torch.cumsum(k_lens, 0) - k_lens), k_lens)
+    if bool((torch.bincount(index, minlength=rows.numel()) == 0).any()):
+        raise AssertionError(f"rank {rank}: the exchange plan fetches keys that no local query run uses")
+    identity = index.numel() == rows.numel() and bool((index == torch.arange(rows.numel())).all())
+    k_pos = rows[index]
     zero = torch.zeros(1, dtype=torch.long)
     return RankPlan(
         rank=rank,
         q_positions=base.q_positions,
         q_segments=base.q_segments,
-        key_rows=(0, k_pos.numel()),
+        key_rows=(0, rows.numel()) if identity else index,
         k_positions=k_pos,
-        k_segments=k_seg,
+        k_segments=seg.segment_ids[k_pos],
         cu_seqlens_q=base.cu_seqlens_q,
         cu_seqlens_k=torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32),
         max_seqlen_q=base.max_seqlen_q,
-        max_seqlen_k=int(k_lens.max()) if k_lens.numel() else 0,
+        max_seqlen_k=int(k_lens.max()),
     )

@@ -131,11 +131,12 @@ class CPStep:
         """Plan rank `rank`'s attention for this layout and move the plan to `device` (once per step)."""
         routes = None
         if kv_exchange in NEEDED_ONLY:
-            # The exchange returns exactly the needed keys, in the needed plan's key order.
+            # The exchange returns the needed keys once each, in pack order; the plan's key_rows index them.
             exchange_plan = exchange_plan if exchange_plan is not None else plan_exchange(layout)
             rank_plan = needed_rank_plan(layout, exchange_plan, rank)
-            routes = rank_routes(layout, exchange_plan, rank).to(device)
-            rows = rank_plan.k_positions
+            routes = rank_routes(layout, exchange_plan, rank)
+            rows = routes.key_positions  # the exchange's output rows
+            routes = routes.to(device)
         else:
             rank_plan = plan_rank(layout, rank)
             rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
