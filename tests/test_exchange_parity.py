@@ -76,3 +76,45 @@ def test_halo_straddle_three_ranks(gloo):
     assert {c[0] for c in chosen} == {"halo"}
     assert any(c[1][0] > 0 for c in chosen), "the halo moved no rows; the layout no longer tests a halo"
     _check(pool.run(parity_case, layout="straddle", exchange="halo"))
+
+
+def disagreeing_config_case(rank, world_size, group):
+    """Rank 0 asks for a2a, the others for allgather: every rank must raise before any exchange."""
+    bdcp.configure_cp_varlen("dense", "a2a" if rank == 0 else "allgather")
+    try:
+        _, batch = make_pack("span_all", world_size)
+        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        bdcp.configure_cp_varlen()
+    return None
+
+
+def test_ranks_that_disagree_on_the_exchange_raise(gloo):
+    messages = gloo(3).run(disagreeing_config_case)
+    assert all(m is not None and "different kv_exchange" in m for m in messages), messages
+
+
+def cross_node_case(rank, world_size, group, local_world_size, allow):
+    """What `auto` picks when LOCAL_WORLD_SIZE says the group spans nodes (one rank per node when 1)."""
+    import os
+
+    previous = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
+    bdcp.configure_cp_varlen("dense", "auto", allow_cross_node_a2a=allow)
+    try:
+        _, batch = make_pack("span_all", world_size)
+        _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        return local["blockdiag_cp_step"].kv_exchange
+    finally:
+        bdcp.configure_cp_varlen()
+        if previous is None:
+            os.environ.pop("LOCAL_WORLD_SIZE")
+        else:
+            os.environ["LOCAL_WORLD_SIZE"] = previous
+
+
+@pytest.mark.parametrize("local_world_size, allow, want", [(2, False, "halo"), (1, False, "allgather"), (1, True, "halo")])
+def test_auto_keeps_allgather_across_nodes_unless_allowed(gloo, local_world_size, allow, want):
+    assert gloo(2).run(cross_node_case, local_world_size=local_world_size, allow=allow) == [want, want]
