@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-LAYOUT_STRATEGIES = ("contiguous",)
+from .balance import balanced_slot_positions
+
+LAYOUT_STRATEGIES = ("contiguous", "balanced")
 
 
 # --------------------------------------------------------------------------- segmentation
@@ -155,19 +157,57 @@ class Layout:
         return (self.document_ids[self.slot_positions] > 0).sum(dim=1).tolist()
 
 
-def plan_layout(document_ids: torch.Tensor, cp_size: int, strategy: str = "contiguous") -> Layout:
-    """Plan the layout of one pack (given by its document ids, 0 = padding) over `cp_size` ranks."""
-    if not isinstance(cp_size, int) or cp_size < 1:
+def _pack_document_ids(documents, seq_len: int | None) -> torch.Tensor:
+    """Document ids `[S]` from either form `plan_layout` accepts (see there)."""
+    if isinstance(documents, torch.Tensor):
+        if seq_len is not None and documents.numel() != seq_len:
+            raise ValueError(f"document ids hold {documents.numel()} tokens but seq_len={seq_len}")
+        return documents.reshape(-1).long().cpu()
+    if isinstance(documents, (list, tuple)):
+        if not documents or not all(isinstance(n, int) and not isinstance(n, bool) for n in documents):
+            raise ValueError(f"document lengths must be a non-empty list of positive ints; got {list(documents)[:8]}")
+        return document_ids_from_lengths(documents, seq_len)
+    raise TypeError(
+        "plan_layout takes document ids as a 1-D torch.Tensor (1-based, 0 = padding) or document lengths as a "
+        f"list/tuple of ints; got {type(documents).__name__}"
+    )
+
+
+def plan_layout(
+    documents: torch.Tensor | list[int] | tuple[int, ...],
+    cp_size: int,
+    strategy: str = "contiguous",
+    *,
+    seq_len: int | None = None,
+    tolerance: float = 0.05,
+) -> Layout:
+    """Plan which padded-pack positions every CP rank holds.
+
+    `documents` is either the pack's document ids (a torch.Tensor `[S]` or `[1, S]`, 1-based,
+    0 = padding) or the documents' lengths (a list/tuple of ints, laid end to end and padded
+    with id 0 up to `seq_len` if given). The pack is then padded to a multiple of 2·G.
+
+    strategy "contiguous": rank r holds rows `[r·L, (r+1)·L)`. "balanced": each rank still
+    holds L rows in increasing pack order, chosen so that every rank's attention work is
+    within `tolerance` of the mean where the pack allows it (algorithm, cost and bound in
+    `hf_blockdiag_cp.balance`); it equals the contiguous layout whenever that is already
+    balanced.
+    """
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
     if strategy not in LAYOUT_STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not supported; accepted values: {', '.join(LAYOUT_STRATEGIES)}")
-    ids = document_ids.reshape(-1).long().cpu()
+    ids = _pack_document_ids(documents, seq_len)
     validate_document_ids(ids)
     seq_len = ids.numel()
     s_pad = padded_length(seq_len, cp_size)
     padded = torch.cat([ids, torch.zeros(s_pad - seq_len, dtype=torch.long)])
-    slots = torch.arange(s_pad).view(cp_size, s_pad // cp_size)
-    return Layout(strategy, cp_size, seq_len, s_pad, slots, padded, Segments.from_document_ids(padded))
+    segments = Segments.from_document_ids(padded)
+    if strategy == "balanced":
+        slots = balanced_slot_positions(segments.boundaries, cp_size, tolerance)
+    else:
+        slots = torch.arange(s_pad).view(cp_size, s_pad // cp_size)
+    return Layout(strategy, cp_size, seq_len, s_pad, slots, padded, segments)
 
 
 # --------------------------------------------------------------------------- per-rank attention plan
