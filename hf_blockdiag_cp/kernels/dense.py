@@ -61,6 +61,24 @@ def attention_with_features(
     return out.view(heads, q_len, v.shape[-1])
 
 
+def _run_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths, output_size=total)
+
+
+def _run_mask(plan, sliding_window: int | None) -> torch.Tensor:
+    """The dense mask, restricted to each query run's own keys (`cu_seqlens_q/k`).
+
+    A rank may hold two separate chunks of one document (head-tail layouts); each chunk is
+    its own run whose keys repeat the document's earlier keys, so a key position can appear
+    once per run. Matching runs makes every (query, key position) pair count once.
+    """
+    allowed = dense_allowed(plan.q_positions, plan.q_segments, plan.k_positions, plan.k_segments, sliding_window)
+    q_run = _run_ids(plan.cu_seqlens_q, plan.q_positions.numel())
+    k_run = _run_ids(plan.cu_seqlens_k, plan.k_positions.numel())
+    return allowed & (q_run[:, None] == k_run[None, :])
+
+
 def dense_attention(
     q,
     k,
@@ -74,10 +92,7 @@ def dense_attention(
 ) -> torch.Tensor:
     """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
     plan = step.plan
-    mask = step.cached(
-        ("dense", sliding_window),
-        lambda: dense_allowed(plan.q_positions, plan.q_segments, plan.k_positions, plan.k_segments, sliding_window),
-    )
+    mask = step.cached(("dense", sliding_window), lambda: _run_mask(plan, sliding_window))
     if softcap is not None or sinks is not None:
         out = attention_with_features(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, softcap=softcap, sinks=sinks
