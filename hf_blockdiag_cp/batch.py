@@ -308,6 +308,11 @@ def make_cp_blockdiag_batch_and_ctx(
     layout = local.pop(SHARD_KEY).layout
     device = local["position_ids"].device
     step = CPStep.for_rank(layout, cp.rank, cp.group, device, config.attn_backend, exchange, exchange_plan)
+    if step.attn_backend == "flex" and device.type == "cuda":
+        # Build the step's block mask here rather than in the first attention layer (I4).
+        from .kernels.flex import block_mask
+
+        block_mask(step, None)
     local[STEP_KWARG] = step
 
     @contextlib.contextmanager

@@ -247,9 +247,10 @@ def plan_rank(layout: Layout, rank: int) -> RankPlan:
     if bool((q_pos[1:] <= q_pos[:-1]).any()):
         raise ValueError("layout rows of a rank must be in increasing pack order")
     q_seg = seg.segment_ids[q_pos]
-    # Runs of equal segment among the local queries (sorted, so each segment is one run).
     change = torch.ones_like(q_seg, dtype=torch.bool)
-    change[1:] = q_seg[1:] != q_seg[:-1]
+    # A run is one segment AND consecutive positions: a rank may hold two separate chunks of one
+    # document (head-tail layouts), and varlen's bottom-right causal alignment needs each chunk alone.
+    change[1:] = (q_seg[1:] != q_seg[:-1]) | (q_pos[1:] != q_pos[:-1] + 1)
     run_first = torch.nonzero(change).reshape(-1)
     run_last = torch.cat([run_first[1:], torch.tensor([q_pos.numel()])]) - 1
     q_lens = run_last - run_first + 1

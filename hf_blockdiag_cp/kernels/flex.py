@@ -24,12 +24,21 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _mask_mod(q_pos, q_seg, k_pos, k_seg, sliding_window):
+def _mask_mod(plan, sliding_window):
+    """Segments are contiguous runs of pack positions, so "same segment and causal" is one
+    interval per query: q_start <= k <= q. When the rows or the queries are a plain range of
+    positions (contiguous layout, all-gather), the index is the position: fewer loads in the
+    kernel's partial blocks."""
+    q_start, q_positions, k_positions = plan.q_starts, plan.q_positions, plan.row_positions
+    q_offset, rows_are_positions = plan.q_offset, plan.rows_are_positions
+
     def mask_mod(b, h, q_idx, kv_idx):
-        allowed = (q_seg[q_idx] == k_seg[kv_idx]) & (k_pos[kv_idx] <= q_pos[q_idx])
+        key = kv_idx if rows_are_positions else k_positions[kv_idx]
+        query = q_idx + q_offset if q_offset is not None else q_positions[q_idx]
+        lower = q_start[q_idx]
         if sliding_window is not None:
-            allowed = allowed & (k_pos[kv_idx] > q_pos[q_idx] - sliding_window)
-        return allowed
+            lower = torch.maximum(lower, query - sliding_window + 1)
+        return (key >= lower) & (key <= query)
 
     return mask_mod
 
@@ -37,9 +46,8 @@ def _mask_mod(q_pos, q_seg, k_pos, k_seg, sliding_window):
 def build_block_mask(step: CPStep, sliding_window: int | None):
     plan = step.plan
     device = plan.q_positions.device
-    mask_mod = _mask_mod(plan.q_positions, plan.q_segments, plan.row_positions, plan.row_segments, sliding_window)
     return create_block_mask(
-        mask_mod,
+        _mask_mod(plan, sliding_window),
         None,
         None,
         plan.q_positions.numel(),
@@ -47,6 +55,11 @@ def build_block_mask(step: CPStep, sliding_window: int | None):
         device=device,
         _compile=device.type == "cuda",
     )
+
+
+def block_mask(step: CPStep, sliding_window: int | None):
+    """The step's block mask for this window: built once (by the shard step or the first layer)."""
+    return step.cached(("flex", sliding_window), lambda: build_block_mask(step, sliding_window))
 
 
 @functools.cache
@@ -70,7 +83,7 @@ def flex_attention_kernel(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [L,H,Dk], k/v: every exchange row [R,Hkv,D] (masked by pack position) -> [L,H,Dv]."""
-    block_mask = step.cached(("flex", sliding_window), lambda: build_block_mask(step, sliding_window))
+    mask = block_mask(step, sliding_window)
     fn = _compiled_flex() if q.is_cuda else flex_attention
     extra = {}
     if softcap is not None:
@@ -81,7 +94,7 @@ def flex_attention_kernel(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        block_mask=block_mask,
+        block_mask=mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
         **extra,
