@@ -119,6 +119,7 @@ def build_model(args, vocab_size: int):
     if model.config.vocab_size < vocab_size:
         raise ValueError(f"model vocab_size={model.config.vocab_size} is smaller than the data's token range ({vocab_size})")
     model.config.use_cache = False
+    bdcp.apply_model_patches(model)  # per-family patches (e.g. Phi-3's RoPE from the global pack); idempotent
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model.train()

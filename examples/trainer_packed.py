@@ -92,7 +92,7 @@ def build_model(args):
     kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
     if args.model is None:
         return AutoModelForCausalLM.from_config(tiny_llama_config(corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # BlockdiagCPTrainer applies model patches
     if model.config.vocab_size < corpus.VOCAB_SIZE:
         raise ValueError(f"--model vocab_size={model.config.vocab_size} is smaller than the byte vocabulary ({corpus.VOCAB_SIZE})")
     return model

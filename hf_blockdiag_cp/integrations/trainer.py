@@ -312,6 +312,9 @@ class BlockdiagCPTrainerMixin:
         self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
         self.packing.validate(cp_size)
         super().__init__(*args, **kwargs)
+        import model_patches  # per-family patches (Phi-3 global RoPE, ...); idempotent
+
+        model_patches.apply_model_patches(self.model)
         self.add_callback(self.cp_callback)
         self._check_trainer_setup()
         self.cp_coordinates = CPCoordinates.of(self.args.world_size, self.args.process_index, cp_size)
