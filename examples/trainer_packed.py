@@ -68,33 +68,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def tiny_llama_config(vocab_size: int, max_tokens: int):
-    """The main job's default model (examples/train_packed.py)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max(max_tokens, 2048),
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-
-
 def build_model(args):
+    from train_packed import tiny_llama_config  # the main job's default model; same folder
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every layout
     kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
     if args.model is None:
-        return AutoModelForCausalLM.from_config(tiny_llama_config(corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # BlockdiagCPTrainer applies model patches
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # BlockdiagCPTrainer applies model patches
     if model.config.vocab_size < corpus.VOCAB_SIZE:
         raise ValueError(f"--model vocab_size={model.config.vocab_size} is smaller than the byte vocabulary ({corpus.VOCAB_SIZE})")
+    model.config.use_cache = False  # training: no KV cache (BlockdiagCPCallback checks it)
     return model
 
 
