@@ -157,7 +157,7 @@ def _pad_seq(t: torch.Tensor, s_pad: int, value, dim: int) -> torch.Tensor:
 
 
 SHARD_KEY = "blockdiag_cp_shard"
-_FINGERPRINT = ("padded length", "sequence length", "document ids", "input ids", "label count", "kv exchange")
+_FINGERPRINT = ("padded length", "sequence length", "document ids", "input ids", "label count", "layout", "kv exchange")
 
 
 @dataclass(frozen=True)
@@ -240,7 +240,7 @@ def shard_batch(
         local["num_items_in_batch"] = max(global_targets, 1) / cp_size
     local["use_cache"] = False
     primary_sum = checksum(primary) if primary_key == "input_ids" else primary.shape[-1]
-    fingerprint = (s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets)
+    fingerprint = (s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets, checksum(layout.slot_positions))
     local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size)
     return local
 
@@ -252,14 +252,16 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
-    strategy: str = "contiguous",
+    strategy: str | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
     """Shard one packed batch for this CP rank and build the step's attention state.
 
     Every rank of the CP group calls this with the same full pack (or with the output of
     `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
-    `model(**local_batch)` and its backward inside `with train_ctx():`. `tp_mesh` is accepted
-    for API symmetry; tensor parallelism splits heads, which block-diagonal CP leaves alone.
+    `model(**local_batch)` and its backward inside `with train_ctx():`. `strategy` picks the
+    layout ("contiguous" when None); a pre-sharded batch keeps its own layout, and an explicit
+    `strategy` that differs from it raises. `tp_mesh` is accepted for API symmetry; tensor
+    parallelism splits heads, which block-diagonal CP leaves alone.
     """
     del tp_mesh
     cp = resolve_cp_group(cp_mesh)
@@ -278,8 +280,15 @@ def make_cp_blockdiag_batch_and_ctx(
                     f"batch was sharded for CP rank {info.cp_rank} of {info.cp_size}, but this process is rank "
                     f"{cp.rank} of {cp.size} in cp_mesh"
                 )
+            if strategy is not None and info.layout.strategy != strategy:
+                raise ValueError(
+                    f"strategy={strategy!r}, but the batch was already sharded with strategy={info.layout.strategy!r}; "
+                    "pass the strategy to the collator / shard_batch instead"
+                )
         else:
-            local = shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy)
+            local = shard_batch(
+                batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy or "contiguous"
+            )
         if config.kv_exchange != "allgather":
             exchange_plan = plan_exchange(local[SHARD_KEY].layout)
             needed_only_ok = config.allow_cross_node_a2a or not group_spans_nodes(cp.group)

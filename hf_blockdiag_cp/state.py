@@ -29,12 +29,15 @@ class BlockdiagCpModelState:
 
     `packed_cu_seqlens` are the offsets of the segments of the *global* padded pack
     (documents and padding runs), on the compute device and as a CPU copy; `group` is the CP
-    process group (None without CP).
+    process group (None without CP), `rank` this process's CP rank, and `layout` tells which
+    pack positions each rank holds (contiguous chunks unless a balanced layout was asked for).
     """
 
     group: Any
     packed_cu_seqlens: torch.Tensor
     packed_cu_seqlens_cpu: torch.Tensor
+    rank: int = 0
+    layout: Layout | None = None  # which pack positions each rank holds (`layout.slot_positions`)
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ class CPStep:
             ),
             attn_backend=attn_backend,
             kv_exchange=kv_exchange,
-            model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries),
+            model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
             exchange_plan=exchange_plan,
             kv_routes=routes,
         )

@@ -201,3 +201,15 @@ def test_malformed_batch_on_one_rank_raises_on_every_rank(gloo):
     assert bad_rank[0] == "ValueError" and "batch['labels'] has sequence length 15, expected 16" in bad_rank[1], bad_rank
     assert ok_rank[0] == "RuntimeError" and "another rank of the CP group rejected its batch" in ok_rank[1], ok_rank
     assert in_step0 and in_step1
+
+
+def test_explicit_strategy_must_match_a_presharded_batch():
+    """A batch sharded by the collator keeps its layout; asking for another one is an error (I7)."""
+    import hf_blockdiag_cp as bdcp
+
+    full = bdcp.BlockdiagCPCollator(max_tokens=16)([{"input_ids": list(range(1, 10))}, {"input_ids": [3, 4, 5]}])
+    local = bdcp.shard_batch(full, 1, 0, strategy="balanced")
+    _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local)
+    assert layout.strategy == "balanced"
+    with pytest.raises(ValueError, match="already sharded with strategy='balanced'"):
+        bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, strategy="contiguous")
