@@ -18,9 +18,9 @@ bytes into receive buffers whatever their strides, which silently corrupts gradi
 a buffer inherits odd strides from an incoming gradient.
 
 Failures (I5). A collective that raises marks the group failed on this rank (NCCL: its
-communicator is aborted) and re-raises with a note; `fail_group` does the same for any
-other failure inside a step (`train_ctx` calls it). A failed group refuses later steps at
-once (`check_group_usable`) instead of entering collectives its peers will never match.
+communicator is aborted) and re-raises with a note (`fail_group`). A failed group refuses
+later steps at once (`check_group_usable`) instead of entering collectives its peers will
+never match.
 How the *peers* of a failing rank get out: the failing rank's exception ends its process,
 which closes its gloo sockets (peers raise "Connection closed by peer" in their pending
 collective) or, under NCCL, makes torchrun stop the other workers; independently, every
