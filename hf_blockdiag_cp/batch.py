@@ -269,7 +269,7 @@ def make_cp_blockdiag_batch_and_ctx(
     config = current_config()
     exchange, exchange_plan = "allgather", None
     error: BaseException | None = None
-    local = None
+    local = step = None
     fingerprint: tuple[int, ...] = (0,) * len(_FINGERPRINT)
     try:
         if SHARD_KEY in batch:
@@ -295,7 +295,13 @@ def make_cp_blockdiag_batch_and_ctx(
             exchange = choose_exchange(config.kv_exchange, exchange_plan, needed_only_ok)
         # The exchange is part of the fingerprint: ranks that would run different collectives raise (I5).
         fingerprint = local[SHARD_KEY].fingerprint + (EXCHANGE_KINDS.index(exchange),)
-    except (ValueError, TypeError) as exc:
+        # This rank's plan, validated on the host (validate_rank_plan), before the consensus: a bad plan
+        # on one rank makes every rank raise below instead of leaving peers in the first exchange (I5).
+        step = CPStep.for_rank(
+            local[SHARD_KEY].layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange,
+            exchange_plan,
+        )
+    except (ValueError, TypeError, AssertionError) as exc:
         error = exc
     agreement = agree(cp.group, error is not None, list(fingerprint))
     if error is not None:
@@ -316,7 +322,6 @@ def make_cp_blockdiag_batch_and_ctx(
         )
     layout = local.pop(SHARD_KEY).layout
     device = local["position_ids"].device
-    step = CPStep.for_rank(layout, cp.rank, cp.group, device, config.attn_backend, exchange, exchange_plan)
     if step.attn_backend == "flex" and device.type == "cuda":
         # Build the step's block mask here rather than in the first attention layer (I4).
         from .kernels.flex import block_mask

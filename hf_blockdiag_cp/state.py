@@ -18,7 +18,7 @@ import torch
 
 from .exchange import ExchangeMeter
 from .exchange_plan import NEEDED_ONLY, ExchangePlan, RankRoutes, needed_rank_plan, plan_exchange, rank_routes
-from .layout import Layout, RankPlan, plan_rank
+from .layout import Layout, RankPlan, plan_rank, validate_rank_plan
 
 STEP_KWARG = "blockdiag_cp_step"
 
@@ -75,6 +75,12 @@ class DevicePlan:
             return t.to(device, non_blocking=True)
 
         rows = plan.key_rows
+        cu_q, cu_k = to(plan.cu_seqlens_q), to(plan.cu_seqlens_k)
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if cu.device.type != device.type or (device.index is not None and cu.device.index != device.index):
+                raise ValueError(f"DevicePlan: {name} must be on the compute device {device}; got {cu.device}")
+            if cu.dtype != torch.int32:
+                raise ValueError(f"DevicePlan: {name} must have dtype torch.int32; got {cu.dtype}")
         return DevicePlan(
             q_positions=to(plan.q_positions),
             q_segments=to(plan.q_segments),
@@ -82,8 +88,8 @@ class DevicePlan:
             k_segments=to(plan.k_segments),
             key_index=None if isinstance(rows, tuple) else to(rows),
             key_range=rows if isinstance(rows, tuple) else None,
-            cu_seqlens_q=to(plan.cu_seqlens_q),
-            cu_seqlens_k=to(plan.cu_seqlens_k),
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
             max_seqlen_q=plan.max_seqlen_q,
             max_seqlen_k=plan.max_seqlen_k,
             row_positions=to(row_positions),
@@ -143,6 +149,8 @@ class CPStep:
         else:
             rank_plan = plan_rank(layout, rank)
             rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
+        # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
+        validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
         boundaries = layout.segments.boundaries
         return CPStep(
             group=group,
