@@ -10,16 +10,24 @@ from typing import Callable
 
 import torch
 
+from . import flash as _flash
+from . import te as _te
 from . import varlen as _varlen
 from .dense import dense_attention
+from .flash import flash_attention_kernel
 from .flex import flex_attention_kernel
+from .te import te_attention_kernel
 from .varlen import varlen_attention_kernel
 
 KERNELS: dict[str, Callable] = {
     "dense": dense_attention,
     "flex": flex_attention_kernel,
     "varlen": varlen_attention_kernel,
+    # Experimental (unverified on a GPU): engage only when their package imports; never chosen by `auto`.
+    "flash": flash_attention_kernel,
+    "te": te_attention_kernel,
 }
+EXPERIMENTAL_KERNELS = frozenset({"flash", "te"})
 
 # Kernels that take every row the exchange returns (and mask by position themselves) instead of
 # the needed keys only: constant shapes step to step, so compiled kernels are reused.
@@ -33,9 +41,12 @@ KERNEL_FEATURES: dict[str, frozenset[str]] = {
     "dense": frozenset({"softcap", "sinks"}),
     "flex": frozenset({"softcap", "sinks"}),  # sinks via the returned log-sum-exp
     "varlen": frozenset(),
+    "flash": frozenset(),
+    "te": frozenset(),
 }
 
-# Preference of `auto` on CUDA with half precision (see README, Performance).
+# Preference of `auto` on CUDA with half precision (see README, Performance). flash and te stay out
+# until a measurement puts them ahead of varlen.
 _AUTO_ORDER_CUDA = ("varlen", "flex", "dense")
 
 
@@ -62,6 +73,18 @@ def unsupported_reason(
             return f"varlen_attn needs float16 or bfloat16, got {dtype}"
         if head_dim_k != head_dim_v:
             return f"varlen_attn needs equal key and value head dims, got {head_dim_k} and {head_dim_v}"
+    if name in ("flash", "te"):
+        package = "flash-attn (flash_attn)" if name == "flash" else "Transformer Engine (transformer_engine.pytorch)"
+        if not (_flash.available() if name == "flash" else _te.available()):
+            return f"{package} does not import in this environment (not installed, or a build without CUDA)"
+        if device.type != "cuda":
+            return f"{package} needs a CUDA device"
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"{package} needs float16 or bfloat16, got {dtype}"
+        if head_dim_k != head_dim_v:
+            return f"{package} needs equal key and value head dims here, got {head_dim_k} and {head_dim_v}"
+        if name == "flash" and head_dim_k > 256:
+            return f"flash-attn supports head dims up to 256, got {head_dim_k}"
     if name == "flex" and device.type not in ("cuda", "cpu"):
         return f"FlexAttention does not run on {device.type}"
     return None
