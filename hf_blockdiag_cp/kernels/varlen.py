@@ -1,9 +1,10 @@
 """torch varlen kernel (`torch.nn.attention.varlen.varlen_attn`, FlashAttention underneath).
 
-One varlen segment per run of local queries of one document; its keys run from the
-document's start to the run's last query. Only the first run of a rank can have more keys
-than queries, and `window_size=(left, 0)` aligns causality bottom-right, which is exactly
-what that run needs. GQA is native; K/V heads are never repeated.
+One varlen segment per run of consecutive local queries of one document; its keys run from
+the document's start to the run's last query. A run that does not start its document (the
+first run of a contiguous shard, any chunk of a head-tail split) has more keys than queries,
+and `window_size=(left, 0)` aligns causality bottom-right, which is exactly what such a run
+needs. GQA is native; K/V heads are never repeated.
 """
 
 from __future__ import annotations
