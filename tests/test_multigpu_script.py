@@ -1,0 +1,60 @@
+"""CPU smoke test of benchmarks/multigpu.py: two gloo ranks under torchrun, tiny sizes.
+
+Checks the JSON the script writes: every parity row passes (dense kernel, fp32, <= 1e-4 against
+the stock eager model run per document), attention and overlap rows have positive times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "multigpu.py"
+
+
+def test_multigpu_script_cpu_smoke(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+        "--device", "cpu", "--tiny", "--parts", "parity,attention,overlap", "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "multigpu_G2.json").read_text())
+    assert (out / "multigpu_G2.md").exists() and (out / "raw" / "rank0.log").exists() and (out / "raw" / "rank1.log").exists()
+    assert result["env"]["G"] == 2
+    parts = result["parts"]
+    assert set(parts) == {"parity", "attention", "overlap"}
+    for name, part in parts.items():
+        assert part["ok"], (name, part.get("error"))
+
+    parity = parts["parity"]["rows"]
+    # 3 packs (straddle, all-padding rank, document spanning all ranks) x 3 exchanges x 2 layouts
+    assert len(parity) == 18
+    assert {r["pack"] for r in parity} == {"straddle", "padding_rank", "span_all"}
+    assert any(r["padding_ranks"] >= 1 for r in parity if r["pack"] == "padding_rank")
+    for r in parity:
+        assert r["kernel"] == "dense" and r["dtype"] == "float32"
+        assert r["status"] == "pass", r
+        assert r["loss_err"] <= 1e-4 and r["grad_err_max_param"] <= 1e-4, r
+
+    attention = [r for r in parts["attention"]["rows"] if r["pack"] != "ALL"]
+    assert {r["setup"] for r in attention} == {"magi", "ringflash"}
+    assert {(r["exchange"], r["layout"]) for r in attention} == {
+        (x, lay) for x in ("allgather", "halo", "a2a") for lay in ("contiguous", "balanced")
+    }
+    for r in attention:
+        assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwdbwd_tflops_gpu"] > 0, r
+        assert r["single_fwd_ms"] > 0 and r["fwdbwd_pct_ideal"] > 0, r
+
+    overlap = parts["overlap"]["rows"]
+    assert overlap
+    for r in overlap:
+        for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):
+            assert r[key] > 0, (key, r)
+    assert "part | ok | s | headline" in proc.stdout  # the short table is printed last
