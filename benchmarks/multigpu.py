@@ -95,7 +95,16 @@ class Ctx:
         self.out = Path(args.out)
         (self.out / "raw").mkdir(parents=True, exist_ok=True)
         self.logf = open(self.out / "raw" / f"rank{self.rank}.log", "a")
-        self.start = time.time()
+        self.start = self.part_start = time.time()
+        self.current = None  # (part name, results) while a part runs
+
+    def save_partial(self, rows: list, columns: list) -> None:
+        """Rank 0 rewrites the outputs with the rows so far, so a run killed mid-part keeps them."""
+        if self.rank == 0 and self.current is not None:
+            name, results = self.current
+            results["parts"][name] = {"ok": None, "error": "incomplete (run still in progress or killed)",
+                                      "seconds": round(time.time() - self.part_start, 1), "rows": list(rows), "columns": columns}
+            write_results(self, results)
 
     def log(self, *parts, all_ranks=False):
         msg = " ".join(str(p) for p in parts)
@@ -168,7 +177,8 @@ def time_body(ctx: Ctx, body, reps: int, warmup: int, collective: bool = True) -
 
 def run_part(ctx: Ctx, name: str, fn, results: dict):
     ctx.log(f"== part {name}")
-    t0 = time.time()
+    t0 = ctx.part_start = time.time()
+    ctx.current = (name, results)
     error = None
     try:
         out = fn(ctx, ctx.args)
@@ -181,6 +191,7 @@ def run_part(ctx: Ctx, name: str, fn, results: dict):
         "ok": not failed, "error": error or ("failed on another rank" if failed else None),
         "seconds": round(time.time() - t0, 1), **(out or {}),
     }
+    ctx.current = None
     if ctx.cuda:
         torch.cuda.empty_cache()
 
@@ -205,6 +216,10 @@ def _parity_packs(G: int, args) -> list[tuple[str, list, dict]]:
             "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
         }))
     return packs
+
+
+PARITY_COLUMNS = ["pack", "kernel", "exchange", "layout", "exchange_taken", "dtype", "padding_ranks", "loss_err", "grad_err",
+                  "grad_err_max_param", "stock_grad_err", "status", "note"]
 
 
 def part_parity(ctx: Ctx, args) -> dict:
@@ -286,10 +301,10 @@ def part_parity(ctx: Ctx, args) -> dict:
                     elif ctx.any(row.get("status") != "pass"):  # the reduced numbers agree; belt and braces
                         row["status"] = "FAIL"
                     rows.append(row)
+                    ctx.save_partial(rows, PARITY_COLUMNS)
                     ctx.log("parity", {k: row.get(k) for k in ("pack", "kernel", "exchange", "layout", "status", "grad_err", "loss_err")})
         del model, ref32
-    cols = ["pack", "kernel", "exchange", "layout", "exchange_taken", "dtype", "padding_ranks", "loss_err", "grad_err",
-            "grad_err_max_param", "stock_grad_err", "status", "note"]
+    cols = PARITY_COLUMNS
     n_pass = sum(r.get("status") == "pass" for r in rows)
     n_fail = sum(r.get("status") in ("FAIL", "ERROR") for r in rows)
     return {"rows": rows, "columns": cols, "summary": f"{n_pass} pass, {n_fail} fail/error, "
@@ -416,14 +431,18 @@ def part_attention(ctx: Ctx, args) -> dict:
                                    fwd_pct_ideal=100 * single[0] / G / fwd, bwd_pct_ideal=100 * single[1] / G / bwd,
                                    fwdbwd_pct_ideal=100 * (single[0] + single[1]) / G / (fwd + bwd))
                     rows.append(row)
+                    ctx.save_partial(rows, ATTENTION_COLUMNS)
                     ctx.log("attention", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
                     del step
                     if ctx.cuda:
                         torch.cuda.empty_cache()
     rows += _attention_totals(rows, G)
-    cols = ["setup", "pack", "docs", "tokens", "kernel", "exchange", "exchange_taken", "layout", "fwd_ms", "bwd_ms",
-            "fwd_tflops_gpu", "bwd_tflops_gpu", "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal", "fwdbwd_pct_ideal", "note"]
-    return {"rows": rows, "columns": cols}
+    return {"rows": rows, "columns": ATTENTION_COLUMNS}
+
+
+ATTENTION_COLUMNS = ["setup", "pack", "docs", "tokens", "heads", "kernel", "exchange", "exchange_taken", "layout", "fwd_ms",
+                     "bwd_ms", "fwd_tflops_gpu", "bwd_tflops_gpu", "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal",
+                     "fwdbwd_pct_ideal", "note"]
 
 
 def _srow(s):
@@ -565,6 +584,7 @@ def part_e2e(ctx: Ctx, args) -> dict:
                            tokens_per_s_per_gpu=S / step_s / G, peak_gib=red[3])
                 largest[f"{model} G={G}"] = S
             rows.append(row)
+            ctx.save_partial(rows, E2E_COLUMNS)
             ctx.log("e2e", row)
             if row["status"] != "ok":
                 break
@@ -574,9 +594,11 @@ def part_e2e(ctx: Ctx, args) -> dict:
         base = g1.get((r["model"], r["tokens"]))
         if r["G"] > 1 and base and r.get("tokens_per_s_per_gpu"):
             r["per_gpu_vs_G1"] = r["tokens_per_s_per_gpu"] / base
-    cols = ["model", "G", "tokens", "docs", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
-            "per_gpu_vs_G1", "peak_gib", "note"]
-    return {"rows": rows, "columns": cols, "largest_pack_that_trains": largest}
+    return {"rows": rows, "columns": E2E_COLUMNS, "largest_pack_that_trains": largest}
+
+
+E2E_COLUMNS = ["model", "G", "tokens", "docs", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
+               "per_gpu_vs_G1", "peak_gib", "note"]
 
 
 def _launch_child(ctx: Ctx, args, job: dict) -> dict:
@@ -715,7 +737,8 @@ def write_results(ctx: Ctx, results: dict) -> str:
     md = [f"# Multi-GPU CP benchmark, G = {G} ({results['env'].get('gpu', ctx.args.device)})", "",
           "```", " ".join(results["env"]["argv"]), "```", ""]
     for name, part in results["parts"].items():
-        md.append(f"## {name} ({'ok' if part['ok'] else 'FAILED: ' + str(part['error'])}, {part['seconds']} s)")
+        state = "ok" if part["ok"] else ("INCOMPLETE" if part["ok"] is None else "FAILED: " + str(part["error"]))
+        md.append(f"## {name} ({state}, {part['seconds']} s)")
         md.append("")
         if part.get("summary"):
             md += [part["summary"], ""]
@@ -785,7 +808,7 @@ def parse_args(argv=None):
     p.add_argument("--e2e-child-timeout-s", type=float, default=300)
     p.add_argument("--steps", type=int, default=2, help="e2e measured steps after one warm-up step")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
-    p.add_argument("--timeout-s", type=float, default=600, help="process-group timeout")
+    p.add_argument("--timeout-s", type=float, default=300, help="process-group timeout (NCCL watchdog)")
     p.add_argument("--e2e-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny and args.magi_packs == 3:
