@@ -562,6 +562,10 @@ def part_e2e(ctx: Ctx, args) -> dict:
     if ctx.world > 1 and args.e2e_single:
         runs += [(m, 1) for m in models]  # G = 1 on rank 0's GPU, for the per-GPU comparison
     largest = {}
+    if ctx.rank == 0:  # results of an earlier run in the same directory would be read as this run's
+        for stale in list((ctx.out / "raw").glob("e2e_*.json")) + list((ctx.out / "raw").glob("e2e_*.done")):
+            stale.unlink(missing_ok=True)
+    ctx.barrier()
     for model, G in runs:
         for S in sizes:
             if ctx.out_of_time(deadline):
@@ -570,6 +574,9 @@ def part_e2e(ctx: Ctx, args) -> dict:
             port = int(ctx.reduce([_free_port() if ctx.rank == 0 else 0])[0])
             tag = f"e2e_{model}_G{G}_S{S}"
             res = _launch_child(ctx, args, dict(model=model, tokens=S, G=G, port=port, tag=tag)) if ctx.rank < G else {}
+            # Wait on the file system, not inside a collective: a child may outlast the NCCL timeout of this group.
+            (ctx.out / "raw" / f"{tag}_rank{ctx.rank}.done").touch()
+            _wait_files([ctx.out / "raw" / f"{tag}_rank{r}.done" for r in range(ctx.world)], args.e2e_child_timeout_s + 120)
             oom, err = bool(res.get("oom")), bool(res.get("error")) and not res.get("oom")
             # consistent decision on every rank
             red = ctx.reduce([oom, err, res.get("step_s", 0), res.get("peak_gib", 0), res.get("first_s", 0)])
@@ -629,6 +636,12 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
     if result.exists():
         return json.loads(result.read_text())
     return {"error": f"child exited with {proc.returncode} without a result (see raw/{job['tag']}_rank{ctx.rank}.log)"}
+
+
+def _wait_files(paths: list[Path], limit_s: float) -> None:
+    t0 = time.time()
+    while not all(p.exists() for p in paths) and time.time() - t0 < limit_s:
+        time.sleep(0.2)
 
 
 def _peer_failed(raw: Path, job: dict, rank: int) -> bool:
