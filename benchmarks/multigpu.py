@@ -787,6 +787,65 @@ def short_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- summary over machine kinds
+
+
+def summarize(paths: list[str], out: str) -> str:
+    """Scaling tables (and a plot) from the multigpu_G*.json of several runs (e.g. G = 2, 4, 8); no process group."""
+    runs = []
+    for p in paths:
+        p = Path(p)
+        runs += [json.loads(f.read_text()) for f in ([p] if p.is_file() else sorted(p.rglob("multigpu_G*.json")))]
+    att, e2e = [], []
+    for r in runs:
+        G = r["env"]["G"]
+        rows = r["parts"].get("attention", {}).get("rows", [])
+        with_all = {x["setup"] for x in rows if x.get("pack") == "ALL"}  # a setup with one pack has no ALL row
+        att += [{"G": G, **x} for x in rows if x.get("pack") == "ALL" or (x.get("fwd_ms") and x["setup"] not in with_all)]
+        for row in r["parts"].get("e2e", {}).get("rows", []):
+            e2e.append(row)
+    att.sort(key=lambda x: (x["setup"], x["kernel"], x["exchange"], x["layout"], x["G"]))
+    e2e.sort(key=lambda x: (x["model"], x["tokens"], x["G"]))
+    md = ["# Multi-GPU scaling summary", "", "## attention (all packs of a setup; % of the 1/G ideal)", "",
+          markdown_table(att, ["setup", "kernel", "exchange", "layout", "G", "fwd_tflops_gpu", "bwd_tflops_gpu",
+                               "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal", "fwdbwd_pct_ideal"]),
+          "", "## end to end", "",
+          markdown_table(e2e, ["model", "tokens", "G", "status", "step_s", "tokens_per_s_per_gpu", "per_gpu_vs_G1", "peak_gib"])]
+    text = "\n".join(md) + "\n"
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "scaling.md").write_text(text)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for key in dict.fromkeys((a["setup"], a["exchange"], a["layout"]) for a in att):
+            pts = [(a["G"], a.get("fwdbwd_pct_ideal")) for a in att if (a["setup"], a["exchange"], a["layout"]) == key
+                   and a.get("fwdbwd_pct_ideal") is not None]
+            if pts:
+                axes[0].plot(*zip(*pts), marker="o", label="/".join(key))
+        axes[0].axhline(100, color="k", linestyle="--", linewidth=0.8)
+        axes[0].set_xlabel("G")
+        axes[0].set_ylabel("fwd+bwd % of 1/G ideal")
+        axes[0].set_title("attention scaling")
+        axes[0].legend(fontsize=6)
+        for key in dict.fromkeys((e["model"], e["tokens"]) for e in e2e):
+            pts = [(e["G"], e["tokens_per_s_per_gpu"]) for e in e2e if (e["model"], e["tokens"]) == key and e.get("tokens_per_s_per_gpu")]
+            if pts:
+                axes[1].plot(*zip(*sorted(pts)), marker="o", label=f"{key[0]} {key[1] // 1024}k" if key[1] >= 1024 else f"{key[0]} {key[1]}")
+        axes[1].set_xlabel("G")
+        axes[1].set_ylabel("tokens/s per GPU")
+        axes[1].set_title("end to end (fwd+bwd)")
+        axes[1].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(Path(out) / "scaling.png", dpi=120)
+    except ImportError:
+        pass
+    return text
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -823,6 +882,8 @@ def parse_args(argv=None):
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--timeout-s", type=float, default=300, help="process-group timeout (NCCL watchdog)")
     p.add_argument("--e2e-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--summarize", nargs="+", default=None, metavar="PATH",
+                   help="no run: combine the multigpu_G*.json under these paths into DIR/scaling.md and scaling.png")
     args = p.parse_args(argv)
     if args.tiny and args.magi_packs == 3:
         args.magi_packs = 1
@@ -833,6 +894,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.e2e_child:
         e2e_child(args)
+        return
+    if args.summarize:
+        print(summarize(args.summarize, args.out))
         return
     parts = [x for x in args.parts.split(",") if x]
     unknown = sorted(set(parts) - set(PARTS))
