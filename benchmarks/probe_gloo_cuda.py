@@ -1,6 +1,5 @@
 """Which collectives gloo runs with CUDA tensors (several ranks on one GPU); prints one line each."""
 
-import os
 import socket
 
 import torch

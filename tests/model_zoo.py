@@ -31,22 +31,13 @@ from transformers import (
 
 import hf_blockdiag_cp as bdcp
 import model_patches
-from reference import VOCAB
+from reference import COMMON_CONFIG, VOCAB
 
 WINDOW = 3  # smaller than every shard in the packs used here
 LONGROPE_ORIGINAL_CONTEXT = 8
 
 _BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=512,
-    attention_dropout=0.0,
-    tie_word_embeddings=False,
+    COMMON_CONFIG,
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,

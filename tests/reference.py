@@ -14,7 +14,7 @@ import hf_blockdiag_cp as bdcp
 
 VOCAB = 101
 
-_COMMON = dict(
+COMMON_CONFIG = dict(  # the tiny decoder shared by every parity test
     vocab_size=VOCAB,
     hidden_size=32,
     intermediate_size=48,
@@ -30,11 +30,11 @@ _COMMON = dict(
 
 def tiny_config(family: str, **overrides):
     if family == "llama":
-        cfg = LlamaConfig(**_COMMON)
+        cfg = LlamaConfig(**COMMON_CONFIG)
     elif family == "qwen2":
-        cfg = Qwen2Config(**_COMMON, use_sliding_window=False)
+        cfg = Qwen2Config(**COMMON_CONFIG, use_sliding_window=False)
     elif family == "mistral":
-        cfg = MistralConfig(**_COMMON, sliding_window=overrides.pop("sliding_window", 4096))
+        cfg = MistralConfig(**COMMON_CONFIG, sliding_window=overrides.pop("sliding_window", 4096))
     else:
         raise ValueError(family)
     for k, v in overrides.items():

@@ -56,7 +56,6 @@ def forward_case(rank, world_size, group, layout, backend):
     docs, batch = make_pack(layout, world_size)
     with torch.no_grad():
         ref_logits = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
-        ref_loss, _ = None, None
         train_ctx, local, lay = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
         with train_ctx():
             out = model(**local)

@@ -117,3 +117,23 @@ def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
     return str(v)
+
+
+def line_plot(rows: list[dict], y: str, ylabel: str, title: str, path: str | os.PathLike) -> None:
+    """One line per method of `y` against packed tokens (log2 axis), saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        pts = [(r["seq_len"], r[y]) for r in rows if r["method"] == method and y in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("packed tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

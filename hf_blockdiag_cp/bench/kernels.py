@@ -20,6 +20,7 @@ from .common import (
     document_ids_for,
     environment,
     histogram_lengths,
+    line_plot,
     lognormal_lengths,
     markdown_table,
     time_cuda,
@@ -129,25 +130,6 @@ def run(args) -> list[dict]:
     return rows
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [(r["seq_len"], r["tflops"]) for r in rows if r["method"] == method]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("packed tokens")
-    ax.set_ylabel("useful TFLOP/s (fwd+bwd)")
-    ax.set_title("Local attention on one packed row")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
     p.add_argument("--heads", type=int, default=32)
@@ -173,4 +155,4 @@ def main(args) -> None:
     write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})
     with open(f"{args.out}/kernels.md", "w") as f:
         f.write(table + "\n")
-    plot(rows, f"{args.out}/kernels.png")
+    line_plot(rows, "tflops", "useful TFLOP/s (fwd+bwd)", "Local attention on one packed row", f"{args.out}/kernels.png")

@@ -13,7 +13,7 @@ import gc
 import torch
 
 from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
-from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_cuda, write_json
+from .common import environment, line_plot, lognormal_lengths, markdown_table, time_cuda, write_json
 
 CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -102,25 +102,6 @@ def run(args) -> dict:
     return {"rows": rows, "largest_fitting": largest}
 
 
-def plot(rows, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        pts = [(r["seq_len"], r["tokens_per_s"]) for r in rows if r["method"] == method and "tokens_per_s" in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("packed tokens")
-    ax.set_ylabel("tokens/s (fwd+bwd)")
-    ax.set_title("1.2B Llama-architecture model, one GPU, cp=1")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id or local path of a config; default: 1.2B Llama-architecture config")
     p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768, 65536])
@@ -145,4 +126,4 @@ def main(args) -> None:
     write_json(f"{args.out}/model.json", {"env": environment(), "args": vars(args), **result})
     with open(f"{args.out}/model.md", "w") as f:
         f.write(table + "\n\nlargest fitting pack: " + str(result["largest_fitting"]) + "\n")
-    plot(rows, f"{args.out}/model.png")
+    line_plot(rows, "tokens_per_s", "tokens/s (fwd+bwd)", "1.2B Llama-architecture model, one GPU, cp=1", f"{args.out}/model.png")
