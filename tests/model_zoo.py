@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -31,7 +30,7 @@ from transformers import (
 
 import hf_blockdiag_cp as bdcp
 import model_patches
-from reference import COMMON_CONFIG, VOCAB
+from reference import COMMON_CONFIG, VOCAB, reference_loss_and_grads  # noqa: F401 (re-exported)
 
 WINDOW = 3  # smaller than every shard in the packs used here
 LONGROPE_ORIGINAL_CONTEXT = 8
@@ -124,22 +123,6 @@ def mrope_positions(length: int, offset: int = 0) -> torch.Tensor:
     so a shard that took the wrong rows of any axis would change the result."""
     t = torch.arange(length)
     return torch.stack([t, t // 2, (t * 3) // 2])[:, None, :] + offset
-
-
-def reference_loss_and_grads(ref, docs, extra_per_doc=None):
-    """Mean next-token loss over every document run separately (eager), and its gradients."""
-    ref.zero_grad(set_to_none=True)
-    total, count = 0.0, 0
-    for i, d in enumerate(docs):
-        extra = extra_per_doc[i] if extra_per_doc else {}
-        logits = ref(input_ids=d[None], **extra).logits[0]
-        if d.numel() > 1:
-            total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
-            count += d.numel() - 1
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
 
 
 IMAGE_TOKEN = VOCAB - 1

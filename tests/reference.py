@@ -57,12 +57,15 @@ def make_docs(lengths, seed: int = 1):
     return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
 
 
-def reference_loss_and_grads(ref, docs):
-    """Mean next-token loss over all documents run separately, and its parameter gradients."""
+def reference_loss_and_grads(ref, docs, extra_per_doc=None):
+    """Mean next-token loss over all documents run separately, and its parameter gradients.
+
+    `extra_per_doc[i]` holds extra model inputs of document i (e.g. 3-D positions, pixels)."""
     ref.zero_grad(set_to_none=True)
     total, count = 0.0, 0
-    for d in docs:
-        logits = ref(input_ids=d[None]).logits[0]
+    for i, d in enumerate(docs):
+        extra = extra_per_doc[i] if extra_per_doc else {}
+        logits = ref(input_ids=d[None], **extra).logits[0]
         if d.numel() > 1:
             total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
             count += d.numel() - 1
