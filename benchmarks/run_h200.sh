@@ -6,10 +6,13 @@
 #   MODEL="<args>"          python -m hf_blockdiag_cp.bench model <args>
 #   RANKS="<args>"          python -m hf_blockdiag_cp.bench ranks <args>
 #   *_LIMIT                 seconds for each part (defaults below)
+#   SKIP_INSTALL=1          the project is already installed (benchmarks/run_lanes.sh installs once)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-bench_out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || export PYTHONPATH=$PWD
+fi
 python3 -c "import torch, transformers, hf_blockdiag_cp; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/env.txt"
 if [ -n "${TESTS:-}" ]; then

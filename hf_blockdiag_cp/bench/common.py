@@ -91,6 +91,41 @@ def time_cuda(fn: Callable[[], None], warmup: int = 2, reps: int = 5) -> Timing:
     return Timing(first, statistics.median(runs), runs)
 
 
+def time_interleaved(fns: dict[str, Callable[[], None]], warmup: int = 2, reps: int = 10) -> dict[str, Timing]:
+    """Like `time_cuda` for several methods, but the timed runs go round-robin over the methods,
+    so clock ramps and thermal drift hit every method alike instead of whichever runs first."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    first = {}
+    for name, fn in fns.items():
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        first[name] = (time.perf_counter() - t0) * 1e3
+    for _ in range(max(0, warmup - 1)):
+        for fn in fns.values():
+            fn()
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            runs[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: Timing(first[name], statistics.median(r), r) for name, r in runs.items()}
+
+
+def compile_counters() -> dict[str, int]:
+    """Dynamo's running totals (frames compiled, graphs compiled): the difference over a call says
+    how much compiling that call did. `TORCH_LOGS=recompiles` prints why a frame was recompiled."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - dynamo is part of every supported torch
+        return {}
+    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs_compiled": int(counters["stats"]["unique_graphs"])}
+
+
 def environment() -> dict:
     import transformers
 

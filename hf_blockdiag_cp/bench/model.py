@@ -13,7 +13,7 @@ import gc
 import torch
 
 from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
-from .common import environment, line_plot, lognormal_lengths, markdown_table, time_cuda, write_json
+from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, time_cuda, write_json
 
 CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -26,6 +26,8 @@ def build_model(args):
 
     config = AutoConfig.from_pretrained(args.model) if args.model else LlamaConfig(**CONFIG_1B)
     config.use_cache = False
+    if args.layers:
+        config.num_hidden_layers = args.layers
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     model.to(args.device).train()
@@ -73,12 +75,14 @@ def measure(model, method: str, seq_len: int, args) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     row = {"method": method, "seq_len": seq_len, "docs": len(lengths)}
+    before = compile_counters()
     try:
         t = time_cuda(run, warmup=1, reps=args.steps)
         row.update(first_s=t.first_ms / 1e3, step_s=t.median_ms / 1e3, tokens_per_s=seq_len / (t.median_ms / 1e3),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
     except torch.OutOfMemoryError:
         row.update(oom=True)
+    row.update({k: v - before.get(k, 0) for k, v in compile_counters().items()})
     model.zero_grad(set_to_none=True)
     gc.collect()
     if cuda:
@@ -87,19 +91,26 @@ def measure(model, method: str, seq_len: int, args) -> dict:
     return row
 
 
-def run(args) -> dict:
+def run(args, report=lambda result: None) -> dict:
+    """Every method at every length, then the largest-fitting search; `report` gets the partial
+    result after each row, so a run cut short by a time limit keeps what it measured."""
     model = build_model(args)
-    rows = [measure(model, m, s, args) for s in args.seq_lens for m in args.methods]
-    largest = {}
+    result = {"rows": [], "fit_rows": [], "largest_fitting": {}}
+    for s in args.seq_lens:
+        for m in args.methods:
+            result["rows"].append(measure(model, m, s, args))
+            report(result)
     for method in args.fit_methods:
-        fits = None
+        result["largest_fitting"][method] = None
         for s in args.fit_lens:
             row = measure(model, method, s, args)
+            result["fit_rows"].append(row)
             if row.get("oom"):
                 break
-            fits = s
-        largest[method] = fits
-    return {"rows": rows, "largest_fitting": largest}
+            result["largest_fitting"][method] = s
+            report(result)
+        report(result)
+    return result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -109,6 +120,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fit-methods", nargs="*", default=[])
     p.add_argument("--fit-lens", type=int, nargs="*", default=[131072, 262144, 524288])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick compile probes)")
     p.add_argument("--mean-doc-len", type=float, default=2048)
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--steps", type=int, default=3)
@@ -117,13 +129,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_out")
 
 
-def main(args) -> None:
-    result = run(args)
-    rows = result["rows"]
-    table = markdown_table(rows, ["seq_len", "docs", "method", "first_s", "step_s", "tokens_per_s", "peak_gib", "oom"])
-    print(table)
-    print("largest fitting pack:", result["largest_fitting"])
+COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "tokens_per_s", "peak_gib", "oom", "frames_compiled", "graphs_compiled"]
+
+
+def _write(args, result) -> str:
+    table = markdown_table(result["rows"] + result["fit_rows"], COLUMNS)
+    largest = "largest fitting pack: " + str(result["largest_fitting"])
     write_json(f"{args.out}/model.json", {"env": environment(), "args": vars(args), **result})
     with open(f"{args.out}/model.md", "w") as f:
-        f.write(table + "\n\nlargest fitting pack: " + str(result["largest_fitting"]) + "\n")
-    line_plot(rows, "tokens_per_s", "tokens/s (fwd+bwd)", "1.2B Llama-architecture model, one GPU, cp=1", f"{args.out}/model.png")
+        f.write(table + "\n\n" + largest + "\n")
+    return table + "\n" + largest
+
+
+def main(args) -> None:
+    result = run(args, report=lambda partial: _write(args, partial))
+    print(_write(args, result))
+    title = f"{args.model or '1.2B Llama-architecture'} model, one GPU, cp=1"
+    line_plot(result["rows"], "tokens_per_s", "tokens/s (fwd+bwd)", title, f"{args.out}/model.png")
