@@ -6,6 +6,7 @@
 #   LANE0="TESTS='tests/test_models.py -k cuda' KERNELS='--seq-lens 32768'"   run on GPU 0
 #   LANE1="MODEL='--seq-lens 16384'"                                           run on GPU 1 (and so on)
 #   MULTI="<command>"     run alongside the lanes on every GPU (e.g. a torchrun smoke run); $W is the results folder
+#   NICE=19 inside a lane  run that lane at low CPU priority (keeps compile-heavy lanes off a timed one)
 #   LIMIT                 seconds for everything before the archive is written (default 560)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,7 +17,7 @@ pids=()
 for i in $(seq 0 15); do
   lane_var="LANE$i"; [ -n "${!lane_var:-}" ] || continue
   mkdir -p "$W/gpu$i"
-  ( eval "export CUDA_VISIBLE_DEVICES=$i SKIP_INSTALL=1 OUT=$W/gpu$i ${!lane_var}"; timeout "${LIMIT:-560}" bash benchmarks/run_h200.sh ) >"$W/gpu$i/lane.log" 2>&1 &
+  ( eval "export CUDA_VISIBLE_DEVICES=$i SKIP_INSTALL=1 OUT=$W/gpu$i ${!lane_var}"; nice -n "${NICE:-0}" timeout "${LIMIT:-560}" bash benchmarks/run_h200.sh ) >"$W/gpu$i/lane.log" 2>&1 &
   pids+=($!)
 done
 if [ -n "${MULTI:-}" ]; then

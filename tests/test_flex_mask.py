@@ -55,3 +55,38 @@ def test_varlen_segments_match_dense_for_balanced_layouts(cp_size):
                                     seg, None)
             want = {(int(q), int(k)) for q, k in allowed.nonzero().tolist()}
             assert pairs == want, (strategy, rank)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("exchange", ["allgather", "a2a"])
+@pytest.mark.parametrize("strategy", ["contiguous", "balanced"])
+@pytest.mark.parametrize("cp_size", [1, 2, 3])
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_block_classes_against_dense(window, exchange, strategy, cp_size, block):
+    """The interval block mask never drops an allowed pair: full tiles are exactly the tiles
+    whose every pair is allowed (away from the sequence end), kept tiles hold every allowed pair."""
+    from hf_blockdiag_cp.kernels.flex import block_classes, query_intervals
+
+    doc_ids = torch.tensor([1] * 13 + [2] * 3 + [3] + [4] * 21 + [5] * 2 + [0] * 3)
+    layout = plan_layout(doc_ids, cp_size, strategy)
+    for rank in range(cp_size):
+        plan = CPStep.for_rank(layout, rank, None, torch.device("cpu"), "flex", exchange).plan
+        lo, hi = query_intervals(plan, window)
+        partial, full = block_classes(lo, hi, plan.row_positions, block)
+        want = dense_allowed(plan.q_positions, plan.q_segments, plan.row_positions, plan.row_segments, window)
+        n_q, n_k = partial.shape
+        pad = torch.zeros(n_q * block, n_k * block, dtype=torch.bool)
+        pad[: want.shape[0], : want.shape[1]] = want
+        tiles = pad.view(n_q, block, n_k, block)
+        any_allowed, all_allowed = tiles.any(dim=(1, 3)), tiles.all(dim=(1, 3))
+        assert not (partial & full).any()
+        assert torch.equal(full & ~all_allowed, torch.zeros_like(full)), "a full tile holds a masked pair"
+        assert not (any_allowed & ~(partial | full)).any(), "an allowed pair fell into a dropped tile"
+        inner = all_allowed.clone()  # tiles cut by the sequence end are never full
+        if want.shape[0] % block:
+            inner[-1] = False
+        if want.shape[1] % block:
+            inner[:, -1] = False
+        assert torch.equal(full, inner), "a tile whose every pair is allowed was not marked full"
+        if strategy == "contiguous" and exchange == "allgather":  # the tight case: nothing kept in vain
+            assert not (partial & ~any_allowed).any()

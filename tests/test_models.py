@@ -279,8 +279,12 @@ def test_kernel_choice_follows_layer_features():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert choose_kernel("auto", cpu, torch.float32, 8, 8, frozenset({"softcap", "sinks"})) == "dense"
     # On CUDA, auto skips varlen for a softcapped or sink layer (device type only: no GPU needed here).
-    assert choose_kernel("auto", cuda, torch.bfloat16, 8, 8, frozenset({"sinks"})) in ("flex", "dense")
-    assert choose_kernel("auto", cuda, torch.bfloat16, 8, 8, frozenset({"softcap"})) != "varlen"
+    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"sinks"})) == "flex"
+    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"softcap"})) == "flex"
+    # Compiled flex cannot lower head dims under 16: auto falls back to dense, an explicit choice says why.
+    assert choose_kernel("auto", cuda, torch.bfloat16, 8, 8, frozenset({"sinks"})) == "dense"
+    with pytest.raises(ValueError, match=r"attn_backend='flex'.*head dims of at least 16, got 16 \(key\) and 8"):
+        choose_kernel("flex", cuda, torch.bfloat16, 16, 8)
     for feature in ("softcap", "sinks"):
         reason = unsupported_reason("varlen", cuda, torch.bfloat16, 8, 8, frozenset({feature}))
         assert reason is not None and feature in reason
@@ -387,7 +391,7 @@ def test_qwen2_vl_images_need_3d_positions():
 @pytest.mark.parametrize("softcap,use_sinks", [(0.7, False), (None, True), (0.7, True)])
 def test_flex_features_forward_and_backward_cuda(softcap, use_sinks):
     """On CUDA the flex kernel trains: outputs and gradients of q, k, v and the sinks equal the dense kernel's."""
-    layout, q, k, v, sinks = _kernel_inputs(2, dv=8)
+    layout, q, k, v, sinks = _kernel_inputs(2, dk=16, dv=32)  # compiled flex needs head dims >= 16
     device = torch.device("cuda")
     leaves = [t.float().to(device).requires_grad_() for t in (q, k, v, sinks)]
     rows = layout.slot_positions.reshape(-1).to(device)

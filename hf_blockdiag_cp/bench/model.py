@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
+import time
 
 import torch
 
 from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
-from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, time_cuda, write_json
+from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, write_json
 
 CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -66,44 +68,77 @@ def step_fn(model, method: str, batch: dict):
     return impl, run
 
 
-def measure(model, method: str, seq_len: int, args) -> dict:
-    lengths, batch = packed_batch(seq_len, model.config.vocab_size, args.mean_doc_len, args.seed, args.device)
-    impl, run = step_fn(model, method, batch)
-    model.set_attn_implementation(impl)
+def _one_step(model, impl: str, run) -> tuple[float, float] | None:
+    """(seconds, peak GiB) of one fwd+bwd step, or None if it ran out of memory."""
     cuda = torch.cuda.is_available()
+    model.set_attn_implementation(impl)
     if cuda:
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"method": method, "seq_len": seq_len, "docs": len(lengths)}
-    before = compile_counters()
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
     try:
-        t = time_cuda(run, warmup=1, reps=args.steps)
-        row.update(first_s=t.first_ms / 1e3, step_s=t.median_ms / 1e3, tokens_per_s=seq_len / (t.median_ms / 1e3),
-                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+        run()
+        if cuda:
+            torch.cuda.synchronize()
     except torch.OutOfMemoryError:
-        row.update(oom=True)
-    row.update({k: v - before.get(k, 0) for k, v in compile_counters().items()})
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    if cuda:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
         torch.cuda.empty_cache()
-    print(row, flush=True)
-    return row
+        return None
+    return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
+
+
+def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
+    """Every method on the same pack: first steps one after another (compilation, plan building),
+    then one warm-up round and `args.steps` timed rounds with the methods taking turns, so clock
+    and thermal drift hit them alike. Steady state is the median of a method's timed steps."""
+    lengths, batch = packed_batch(seq_len, model.config.vocab_size, args.mean_doc_len, args.seed, args.device)
+    rows = {m: {"method": m, "seq_len": seq_len, "docs": len(lengths)} for m in methods}
+    runs = {m: step_fn(model, m, batch) for m in methods}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    peaks: dict[str, float] = {m: float("-inf") for m in methods}
+    for round_ in range(args.steps + 2):  # round 0: first steps; round 1: warm-up
+        for m in methods:
+            if rows[m].get("oom"):
+                continue
+            before = compile_counters()
+            result = _one_step(model, *runs[m])
+            after = compile_counters()
+            for key, value in after.items():
+                rows[m][key] = rows[m].get(key, 0) + value - before.get(key, 0)
+            if result is None:
+                rows[m]["oom"] = True
+                continue
+            seconds, peak = result
+            peaks[m] = max(peaks[m], peak) if peak == peak else peak  # NaN on CPU
+            if round_ == 0:
+                rows[m]["first_s"] = seconds
+            elif round_ >= 2:
+                times[m].append(seconds)
+    for m, row in rows.items():
+        if times[m]:
+            step_s = statistics.median(times[m])
+            row.update(step_s=step_s, tokens_per_s=seq_len / step_s, peak_gib=peaks[m],
+                       step_spread_s=max(times[m]) - min(times[m]))
+        print(row, flush=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return list(rows.values())
 
 
 def run(args, report=lambda result: None) -> dict:
     """Every method at every length, then the largest-fitting search; `report` gets the partial
-    result after each row, so a run cut short by a time limit keeps what it measured."""
+    result after each length, so a run cut short by a time limit keeps what it measured."""
     model = build_model(args)
     result = {"rows": [], "fit_rows": [], "largest_fitting": {}}
     for s in args.seq_lens:
-        for m in args.methods:
-            result["rows"].append(measure(model, m, s, args))
-            report(result)
+        result["rows"].extend(measure(model, list(args.methods), s, args))
+        report(result)
     for method in args.fit_methods:
         result["largest_fitting"][method] = None
         for s in args.fit_lens:
-            row = measure(model, method, s, args)
+            (row,) = measure(model, [method], s, args)
             result["fit_rows"].append(row)
             if row.get("oom"):
                 break
@@ -129,7 +164,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_out")
 
 
-COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "tokens_per_s", "peak_gib", "oom", "frames_compiled", "graphs_compiled"]
+COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "tokens_per_s", "peak_gib", "oom",
+           "frames_compiled", "graphs_compiled"]
 
 
 def _write(args, result) -> str:

@@ -87,6 +87,10 @@ def unsupported_reason(
             return f"flash-attn supports head dims up to 256, got {head_dim_k}"
     if name == "flex" and device.type not in ("cuda", "cpu"):
         return f"FlexAttention does not run on {device.type}"
+    if name == "flex" and device.type == "cuda" and min(head_dim_k, head_dim_v) < 16:
+        # Inductor's flex lowering refuses smaller head dims at compile time (a LoweringException deep
+        # inside the first step); say so before any kernel is built.
+        return f"compiled FlexAttention needs head dims of at least 16, got {head_dim_k} (key) and {head_dim_v} (value)"
     return None
 
 

@@ -1,8 +1,11 @@
 """FlexAttention kernel: a document-causal block mask over pack positions.
 
 The block mask is built once per step and sliding window (first layer), then reused by
-every layer and by recompute. On CUDA both the mask builder and the kernel are compiled
-once per process; FlexAttention has no CPU backward, so `auto` never picks it on CPU.
+every layer and by recompute. It is built straight from the plan's intervals (every query
+sees the keys at pack positions `[lo, q]`), with block-level min/max arithmetic: no compiled
+mask builder (whose first compile took minutes inside a model) and nothing of size S².
+The kernel is compiled once per process; FlexAttention has no CPU backward, so `auto` never
+picks it on CPU.
 
 A logit softcap (Gemma2) is a `score_mod`. Attention sinks (GPT-OSS) cannot be a
 `score_mod` (they add a logit that has no key), so the kernel returns its log-sum-exp and
@@ -14,14 +17,20 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from ..state import CPStep
 
 
+SPARSE_BLOCK = 128  # FlexAttention's default sparse block; the kernel's tiles divide it
+
+
 @functools.cache
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: static for the first shape, one recompile to dynamic shapes if the row or query
+    # count changes (needed-only exchanges, varying pack lengths) instead of one compile per shape
+    # until dynamo's recompile limit drops the kernel to eager.
+    return torch.compile(flex_attention)
 
 
 def _mask_mod(plan, sliding_window):
@@ -43,17 +52,60 @@ def _mask_mod(plan, sliding_window):
     return mask_mod
 
 
-def build_block_mask(step: CPStep, sliding_window: int | None):
+def query_intervals(plan, sliding_window: int | None):
+    """(lo, hi) per query: the pack positions of the keys it may see are exactly [lo, hi]."""
+    hi = plan.q_positions
+    lo = plan.q_starts
+    if sliding_window is not None:
+        lo = torch.maximum(lo, hi - (sliding_window - 1))
+    return lo, hi
+
+
+def block_classes(lo, hi, row_positions, block: int = SPARSE_BLOCK):
+    """(partial, full) `[q blocks, row blocks]` booleans for queries allowed keys at positions [lo, hi].
+
+    A tile is full iff every query's interval holds every row of it: max(lo) <= min(row) and
+    max(row) <= min(hi), exact. A tile is kept (partial) unless it is certainly empty (all rows
+    before every interval or after every one); keeping an empty tile costs time, never correctness,
+    since partial tiles are masked element by element. Tiles cut by the end of the sequence are
+    never called full."""
+    big = torch.iinfo(torch.int64).max // 4
+
+    def tiles(x, fill):
+        n = -(-x.numel() // block)
+        padded = x.new_full((n * block,), fill, dtype=torch.int64)
+        padded[: x.numel()] = x
+        return padded.view(n, block)
+
+    lo_min, lo_max = tiles(lo, big).amin(1), tiles(lo, -big).amax(1)
+    hi_min, hi_max = tiles(hi, big).amin(1), tiles(hi, -big).amax(1)
+    k_min, k_max = tiles(row_positions, big).amin(1), tiles(row_positions, -big).amax(1)
+    kept = (k_max[None, :] >= lo_min[:, None]) & (k_min[None, :] <= hi_max[:, None])
+    full = (k_min[None, :] >= lo_max[:, None]) & (k_max[None, :] <= hi_min[:, None])
+    if lo.numel() % block:
+        full[-1] = False
+    if row_positions.numel() % block:
+        full[:, -1] = False
+    return kept & ~full, full
+
+
+def _ordered(blocks):
+    """Block-level booleans [Q, K] -> FlexAttention's (num_blocks [1,1,Q], indices [1,1,Q,K]) int32."""
+    num = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None].contiguous(), order[None, None].contiguous()
+
+
+def build_block_mask(step: CPStep, sliding_window: int | None) -> BlockMask:
     plan = step.plan
-    device = plan.q_positions.device
-    return create_block_mask(
-        _mask_mod(plan, sliding_window),
-        None,
-        None,
-        plan.q_positions.numel(),
-        plan.row_positions.numel(),
-        device=device,
-        _compile=device.type == "cuda",
+    lo, hi = query_intervals(plan, sliding_window)
+    partial, full = block_classes(lo, hi, plan.row_positions)
+    return BlockMask.from_kv_blocks(
+        *_ordered(partial),
+        *_ordered(full),
+        BLOCK_SIZE=SPARSE_BLOCK,
+        mask_mod=_mask_mod(plan, sliding_window),
+        seq_lengths=(plan.q_positions.numel(), plan.row_positions.numel()),
     )
 
 
