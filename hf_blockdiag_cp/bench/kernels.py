@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from ..kernels.flex import _compiled_flex
 from ..runtime import blockdiag_attention
 from ..state import STEP_KWARG
 from .common import (
@@ -55,7 +56,7 @@ def _raw_flex(doc_ids, q, k, v, interval: bool = False):
         return (docs[qi] == docs[ki]) & (ki <= qi)
 
     bm = create_block_mask(mask_mod, None, None, docs.numel(), docs.numel(), device=q.device, _compile=True)
-    fn = torch.compile(flex_attention, dynamic=False)
+    fn = _compiled_flex()  # compiled as our kernel compiles it, so both go dynamic at the same length
     return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
 
 
