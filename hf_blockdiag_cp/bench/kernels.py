@@ -42,7 +42,7 @@ def _raw_flex(doc_ids, q, k, v, interval: bool = False):
     """FlexAttention as its documentation writes document masking (document ids compared), or with
     `interval` the mask our entry point uses (first position of the query's document <= key <= query),
     to tell the mask's cost apart from the entry point's."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
     docs = doc_ids.to(q.device)
     new_doc = torch.ones_like(docs, dtype=torch.bool)
