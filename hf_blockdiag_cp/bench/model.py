@@ -89,37 +89,39 @@ def _one_step(model, impl: str, run) -> tuple[float, float] | None:
 
 
 def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
-    """Every method on the same pack: first steps one after another (compilation, plan building),
-    then one warm-up round and `args.steps` timed rounds with the methods taking turns, so clock
-    and thermal drift hit them alike. Steady state is the median of a method's timed steps."""
+    """Every method on the same pack, in blocks of `args.block_steps` consecutive steps, methods
+    taking turns for `args.rounds` rounds (ABCABC), so drift hits them alike. The first step of a
+    block is not timed: it re-warms the allocator after another method's memory pattern. The very
+    first step of a method (compilation, plan building) is reported as `first_s`; steady state is
+    the median of the timed steps. Methods in `args.one_block` (slow baselines) get one block."""
     lengths, batch = packed_batch(seq_len, model.config.vocab_size, args.mean_doc_len, args.seed, args.device)
     rows = {m: {"method": m, "seq_len": seq_len, "docs": len(lengths)} for m in methods}
     runs = {m: step_fn(model, m, batch) for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, float] = {m: float("-inf") for m in methods}
-    for round_ in range(args.steps + 2):  # round 0: first steps; round 1: warm-up
+    for round_ in range(args.rounds):
         for m in methods:
-            if rows[m].get("oom"):
+            if rows[m].get("oom") or (round_ > 0 and m in args.one_block):
                 continue
-            before = compile_counters()
-            result = _one_step(model, *runs[m])
-            after = compile_counters()
-            for key, value in after.items():
-                rows[m][key] = rows[m].get(key, 0) + value - before.get(key, 0)
-            if result is None:
-                rows[m]["oom"] = True
-                continue
-            seconds, peak = result
-            peaks[m] = max(peaks[m], peak) if peak == peak else peak  # NaN on CPU
-            if round_ == 0:
-                rows[m]["first_s"] = seconds
-            elif round_ >= 2:
-                times[m].append(seconds)
+            for i in range(args.block_steps):
+                before = compile_counters()
+                result = _one_step(model, *runs[m])
+                for key, value in compile_counters().items():
+                    rows[m][key] = rows[m].get(key, 0) + value - before.get(key, 0)
+                if result is None:
+                    rows[m]["oom"] = True
+                    break
+                seconds, peak = result
+                peaks[m] = max(peaks[m], peak) if peak == peak else peak  # NaN on CPU
+                if round_ == 0 and i == 0:
+                    rows[m]["first_s"] = seconds
+                elif i > 0:
+                    times[m].append(seconds)
     for m, row in rows.items():
         if times[m]:
             step_s = statistics.median(times[m])
             row.update(step_s=step_s, tokens_per_s=seq_len / step_s, peak_gib=peaks[m],
-                       step_spread_s=max(times[m]) - min(times[m]))
+                       step_spread_s=max(times[m]) - min(times[m]), timed_steps=len(times[m]))
         print(row, flush=True)
     gc.collect()
     if torch.cuda.is_available():
@@ -158,13 +160,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick compile probes)")
     p.add_argument("--mean-doc-len", type=float, default=2048)
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--block-steps", type=int, default=3, help="consecutive steps per method and round (the first untimed)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of blocks, methods taking turns")
+    p.add_argument("--one-block", nargs="*", default=["hf_sdpa"], help="methods measured in the first round only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")
 
 
-COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "tokens_per_s", "peak_gib", "oom",
+COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "timed_steps", "tokens_per_s", "peak_gib", "oom",
            "frames_compiled", "graphs_compiled"]
 
 
