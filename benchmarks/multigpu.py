@@ -841,6 +841,12 @@ def summarize(paths: list[str], out: str) -> str:
             pts = [(e["G"], e["tokens_per_s_per_gpu"]) for e in e2e if (e["model"], e["tokens"]) == key and e.get("tokens_per_s_per_gpu")]
             if pts:
                 axes[1].plot(*zip(*sorted(pts)), marker="o", label=f"{key[0]} {key[1] // 1024}k" if key[1] >= 1024 else f"{key[0]} {key[1]}")
+        sizes = sorted({a["G"] for a in att} | {e["G"] for e in e2e})
+        for ax in axes:
+            ax.set_xticks(sizes)
+            ax.set_xlim(min(sizes) - 0.5, max(sizes) + 0.5)
+        axes[0].set_ylim(0, 105)
+        axes[1].set_ylim(bottom=0)  # per-GPU rate: a fall from G = 1 reads at its true size
         axes[1].set_xlabel("G")
         axes[1].set_ylabel("tokens/s per GPU")
         axes[1].set_title("end to end (fwd+bwd)")
