@@ -91,9 +91,13 @@ def time_cuda(fn: Callable[[], None], warmup: int = 2, reps: int = 5) -> Timing:
     return Timing(first, statistics.median(runs), runs)
 
 
-def time_interleaved(fns: dict[str, Callable[[], None]], warmup: int = 2, reps: int = 10) -> dict[str, Timing]:
-    """Like `time_cuda` for several methods, but the timed runs go round-robin over the methods,
-    so clock ramps and thermal drift hit every method alike instead of whichever runs first."""
+def time_interleaved(
+    fns: dict[str, Callable[[], None]], warmup: int = 2, reps: int = 10, block: int = 3
+) -> dict[str, Timing]:
+    """Like `time_cuda` for several methods, but the methods take turns in blocks of `block`
+    consecutive calls, the first call of a block untimed, until each has `reps` timed calls:
+    clock ramps and thermal drift hit every method alike, and no timed call pays for the
+    allocator re-fitting itself after another method's memory pattern."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     first = {}
     for name, fn in fns.items():
@@ -106,13 +110,17 @@ def time_interleaved(fns: dict[str, Callable[[], None]], warmup: int = 2, reps: 
         for fn in fns.values():
             fn()
     runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
+    while any(len(r) < reps for r in runs.values()):
         for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            runs[name].append((time.perf_counter() - t0) * 1e3)
+            if len(runs[name]) >= reps:
+                continue
+            fn()  # re-warm after the previous method
+            for _ in range(min(block - 1, reps - len(runs[name]))):
+                sync()
+                t0 = time.perf_counter()
+                fn()
+                sync()
+                runs[name].append((time.perf_counter() - t0) * 1e3)
     return {name: Timing(first[name], statistics.median(r), r) for name, r in runs.items()}
 
 

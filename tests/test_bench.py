@@ -1,0 +1,35 @@
+"""CPU smoke tests of `python -m hf_blockdiag_cp.bench kernels|model`: the scripts run end to end
+at tiny sizes and write what the GPU runs are read from (rows per method, ratios, the fit search).
+The numbers themselves mean nothing on a CPU; GPU figures come from benchmarks/run_h200.sh."""
+
+from __future__ import annotations
+
+import json
+
+from transformers import LlamaConfig
+
+from hf_blockdiag_cp.bench.__main__ import main as bench_main
+
+
+def test_bench_kernels_cpu_smoke(tmp_path):
+    bench_main(["kernels", "--device", "cpu", "--backends", "dense", "--seq-lens", "256", "--heads", "4", "--kv-heads",
+                "2", "--head-dim", "16", "--mean-doc-len", "64", "--dtype", "float32", "--reps", "2", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["ours/dense", "dense-mask sdpa", "sdpa one causal doc (ceiling)"]
+    assert all(r["ms"] > 0 for r in rows) and rows[0]["vs_dense"] > 0
+    assert (tmp_path / "kernels.png").exists()
+
+
+def test_bench_model_cpu_smoke(tmp_path):
+    config = tmp_path / "config"
+    LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=2048).save_pretrained(config)
+    bench_main(["model", "--device", "cpu", "--model", str(config), "--methods", "blockdiag_cp/dense", "hf_sdpa",
+                "--seq-lens", "128", "--block-steps", "2", "--fit-methods", "blockdiag_cp/dense", "--fit-lens", "256",
+                "--mean-doc-len", "32", "--dtype", "float32", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "model.json").read_text())
+    assert [(r["method"], r["seq_len"]) for r in result["rows"]] == [("blockdiag_cp/dense", 128), ("hf_sdpa", 128)]
+    ours, sdpa = result["rows"]
+    assert ours["timed_steps"] == 2 and sdpa["timed_steps"] == 1  # hf_sdpa: one block by default
+    assert ours["tokens_per_s"] > 0 and ours["first_s"] > 0
+    assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
