@@ -6,6 +6,7 @@
 #   MODEL="<args>"          python -m hf_blockdiag_cp.bench model <args>
 #   RANKS="<args>"          python -m hf_blockdiag_cp.bench ranks <args>
 #   *_LIMIT                 seconds for each part (defaults below)
+#   ORDER="MODEL KERNELS"  order of the bench parts (default: KERNELS MODEL RANKS)
 #   SKIP_INSTALL=1          the project is already installed (benchmarks/run_lanes.sh installs once)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -18,7 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 if [ -n "${TESTS:-}" ]; then
   eval timeout "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -o timeout=280 "$TESTS" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E  |^FAILED" | tail -30
 fi
-for part in KERNELS MODEL RANKS; do
+for part in ${ORDER:-KERNELS MODEL RANKS}; do
   args="${!part:-}"; limit_var="${part}_LIMIT"
   [ -n "$args" ] || continue
   name=$(echo "$part" | tr 'A-Z' 'a-z')

@@ -13,11 +13,12 @@ from hf_blockdiag_cp.bench.__main__ import main as bench_main
 
 def test_bench_kernels_cpu_smoke(tmp_path):
     bench_main(["kernels", "--device", "cpu", "--backends", "dense", "--seq-lens", "256", "--heads", "4", "--kv-heads",
-                "2", "--head-dim", "16", "--mean-doc-len", "64", "--dtype", "float32", "--reps", "2", "--out", str(tmp_path)])
+                "2", "--head-dim", "16", "--mean-doc-len", "64", "--dtype", "float32", "--reps", "2", "--profile", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["ours/dense", "dense-mask sdpa", "sdpa one causal doc (ceiling)"]
     assert all(r["ms"] > 0 for r in rows) and rows[0]["vs_dense"] > 0
     assert (tmp_path / "kernels.png").exists()
+    assert "Self CPU" in (tmp_path / "profile_256_ours_dense.txt").read_text()
 
 
 def test_bench_model_cpu_smoke(tmp_path):

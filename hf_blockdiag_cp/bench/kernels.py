@@ -78,6 +78,22 @@ def _dense(doc_ids, q, k, v):
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
 
 
+def _profile(fn, path: str, calls: int = 3) -> None:
+    """Operator table of `calls` calls (CPU and, where present, CUDA time): where an entry point's
+    time goes next to the raw kernel's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -131,6 +147,9 @@ def run(args) -> list[dict]:
                                    warmup=args.warmup, reps=args.reps)
         for name, (fn, _) in references.items():
             timings[name] = time_cuda(lambda fn=fn: fwd_bwd(fn), warmup=1, reps=args.reference_reps)
+        if args.profile:
+            for name, (fn, _) in methods.items():
+                _profile(lambda fn=fn: fwd_bwd(fn), f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
         methods.update(references)
         for name, (fn, flops) in methods.items():
             t = timings[name]
@@ -164,6 +183,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--reference-reps", type=int, default=3, help="timed calls of the dense-mask and ceiling SDPA")
+    p.add_argument("--profile", action="store_true", help="also write a profiler table per method (profile_*.txt)")
     p.add_argument("--flex-interval-mask", action="store_true", help="also time raw flex with our interval mask_mod")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
