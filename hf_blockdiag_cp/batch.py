@@ -32,6 +32,8 @@ IGNORE_INDEX = -100
 
 # Keys that only describe the full pack's attention; they must not reach the model on a shard.
 _DROPPED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Per-token side streams [1, S]: padded like the primary stream (with 0, "text") and sharded with it.
+_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
 
 
 @dataclass(frozen=True)
@@ -211,6 +213,10 @@ def shard_batch(
     local: dict[str, Any] = {}
     for key, value in batch.items():
         if key in _DROPPED_KEYS or key in ("labels", "loss_mask", "document_ids", "position_ids", primary_key):
+            continue
+        if key in _TOKEN_KEYS and value is not None:
+            padded = _pad_seq(_row(batch, key, seq_len), s_pad, 0, dim=1)
+            local[key] = take(padded, 1) if shard_primary else padded
             continue
         local[key] = value  # not sequence-aligned (e.g. pixel_values): passed through unchanged
 

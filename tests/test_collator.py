@@ -239,3 +239,25 @@ def test_collator_pickles_and_shards_in_worker_processes():
             assert torch.equal(a[key], b[key]), key
         assert a["blockdiag_cp_shard"].fingerprint == b["blockdiag_cp_shard"].fingerprint
         assert torch.equal(a["blockdiag_cp_shard"].layout.slot_positions, b["blockdiag_cp_shard"].layout.slot_positions)
+
+
+@pytest.mark.parametrize("shard_primary", [True, False])
+@pytest.mark.parametrize("strategy", ["contiguous", "balanced"])
+def test_token_side_streams_are_padded_and_sharded_with_the_primary(shard_primary, strategy):
+    """mm_token_type_ids / token_type_ids travel with input_ids: padded to the layout's length with 0,
+    and on every rank the same positions as input_ids (or the whole padded pack without sharding)."""
+    cp_size, seq_len = 3, 13  # 13 tokens over 3 ranks: the layout pads
+    ids = torch.arange(1, seq_len + 1)[None]
+    types = (torch.arange(seq_len) % 3 == 1).long()[None]
+    batch = {"input_ids": ids, "position_ids": torch.tensor([list(range(6)) + list(range(7))]),
+             "mm_token_type_ids": types, "token_type_ids": 1 - types}
+    for rank in range(cp_size):
+        local = shard_batch(batch, cp_size, rank, shard_primary=shard_primary, strategy=strategy)
+        layout = local["blockdiag_cp_shard"].layout
+        rows = layout.slot_positions[rank] if shard_primary else torch.arange(layout.padded_seq_len)
+        padded_types = torch.cat([types[0], torch.zeros(layout.padded_seq_len - seq_len, dtype=torch.long)])
+        assert layout.padded_seq_len > seq_len
+        assert torch.equal(local["mm_token_type_ids"][0], padded_types[rows])
+        real = rows < seq_len
+        assert torch.equal(local["token_type_ids"][0][real], 1 - padded_types[rows][real])
+        assert local["input_ids"].shape[-1] == local["mm_token_type_ids"].shape[-1]
