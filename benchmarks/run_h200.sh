@@ -6,7 +6,7 @@
 #   MODEL="<args>"          python -m hf_blockdiag_cp.bench model <args>
 #   RANKS="<args>"          python -m hf_blockdiag_cp.bench ranks <args>
 #   *_LIMIT                 seconds for each part (defaults below)
-#   ORDER="MODEL KERNELS"  order of the bench parts (default: KERNELS MODEL RANKS)
+#   ORDER="KERNELS TESTS"  order of the parts (default: TESTS KERNELS MODEL RANKS)
 #   SKIP_INSTALL=1          the project is already installed (benchmarks/run_lanes.sh installs once)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,12 +16,13 @@ if [ -z "${SKIP_INSTALL:-}" ]; then
 fi
 python3 -c "import torch, transformers, hf_blockdiag_cp; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader | tee -a "$OUT/env.txt"
-if [ -n "${TESTS:-}" ]; then
-  eval timeout "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -o timeout=280 "$TESTS" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E  |^FAILED" | tail -30
-fi
-for part in ${ORDER:-KERNELS MODEL RANKS}; do
+for part in ${ORDER:-TESTS KERNELS MODEL RANKS}; do
   args="${!part:-}"; limit_var="${part}_LIMIT"
   [ -n "$args" ] || continue
+  if [ "$part" = TESTS ]; then
+    eval timeout "${TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider -o timeout=280 "$TESTS" 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|Error|^E  |^FAILED" | tail -30
+    continue
+  fi
   name=$(echo "$part" | tr 'A-Z' 'a-z')
   timeout "${!limit_var:-240}" python3 -m hf_blockdiag_cp.bench "$name" --out "$OUT" $args >"$OUT/$name.log" 2>&1
   echo "== bench $name (rc=$?)"; grep -E "^\||largest" "$OUT/$name.log" || tail -5 "$OUT/$name.log"

@@ -69,6 +69,14 @@ class Timing:
     first_ms: float
     median_ms: float
     runs: list[float] = field(default_factory=list)
+    device_allocs: int = 0  # cudaMalloc calls the caching allocator made inside the timed calls
+
+
+def _device_allocs() -> int:
+    """cudaMalloc calls so far: a timed call that makes any pays the allocator, not the kernel."""
+    if not torch.cuda.is_available():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_device_alloc", 0))
 
 
 def time_cuda(fn: Callable[[], None], warmup: int = 2, reps: int = 5) -> Timing:
@@ -110,18 +118,21 @@ def time_interleaved(
         for fn in fns.values():
             fn()
     runs: dict[str, list[float]] = {name: [] for name in fns}
+    allocs = dict.fromkeys(fns, 0)
     while any(len(r) < reps for r in runs.values()):
         for name, fn in fns.items():
             if len(runs[name]) >= reps:
                 continue
             fn()  # re-warm after the previous method
             for _ in range(min(block - 1, reps - len(runs[name]))):
+                before = _device_allocs()
                 sync()
                 t0 = time.perf_counter()
                 fn()
                 sync()
                 runs[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: Timing(first[name], statistics.median(r), r) for name, r in runs.items()}
+                allocs[name] += _device_allocs() - before
+    return {name: Timing(first[name], statistics.median(r), r, allocs[name]) for name, r in runs.items()}
 
 
 def compile_counters() -> dict[str, int]:

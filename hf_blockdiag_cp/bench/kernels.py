@@ -99,6 +99,9 @@ def run(args) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     rows = []
     for seq_len in args.seq_lens:
+        # Every length compiles from scratch (static shapes, as a run at one pack length does): a
+        # recompile to dynamic shapes would hit whichever method met the new length first.
+        torch._dynamo.reset()
         if args.lengths_csv:
             lengths = histogram_lengths(args.lengths_csv, seq_len, seed=args.seed)
         else:
@@ -156,6 +159,7 @@ def run(args) -> list[dict]:
             rows.append({
                 "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": t.median_ms,
                 "spread_ms": max(t.runs) - min(t.runs), "tflops": flops / t.median_ms / 1e9,
+                "cuda_mallocs": t.device_allocs,
             })
             if name.startswith("ours/"):
                 rows[-1]["plan_ms"] = plan_ms[name.split("/")[1]]
@@ -192,7 +196,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> None:
     rows = run(args)
-    cols = ["seq_len", "docs", "method", "first_ms", "ms", "spread_ms", "tflops", "vs_raw", "vs_dense", "plan_ms"]
+    cols = ["seq_len", "docs", "method", "first_ms", "ms", "spread_ms", "tflops", "vs_raw", "vs_dense", "plan_ms", "cuda_mallocs"]
     table = markdown_table(rows, cols)
     print(table)
     write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})
