@@ -95,12 +95,14 @@ def blockdiag_attention(
     features: AttentionFeatures = AttentionFeatures(),
 ):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]."""
+    # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
+    # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
     k, v = exchange_kv(
-        step.kv_exchange, key[0].transpose(0, 1), value[0].transpose(0, 1), step.group, step.world_size,
+        step.kv_exchange, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1), step.group, step.world_size,
         routes=step.kv_routes, meter=step.exchange_bytes,
     )
     out = local_attention(
-        step, query[0].transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window, features=features
+        step, query.squeeze(0).transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window, features=features
     )
     step.attention_calls += 1
     return out.unsqueeze(0)

@@ -67,7 +67,7 @@ def _raw_varlen(lengths, q, k, v):
     cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
     cu = cu.to(q.device)
     m = max(lengths)
-    q3, k3, v3 = (t[0].transpose(0, 1) for t in (q, k, v))  # [S, H, D] views of the same storage
+    q3, k3, v3 = (t.squeeze(0).transpose(0, 1) for t in (q, k, v))  # [S, H, D] views of the same storage
     return lambda: varlen_attn(q3, k3, v3, cu, cu, m, m, window_size=(-1, 0))
 
 

@@ -106,4 +106,4 @@ def dense_attention(
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)

@@ -153,6 +153,6 @@ def flex_attention_kernel(
     )
     if sinks is not None:
         out, aux = out
-        lse = aux.lse[0].float()  # [H, L], natural log
+        lse = aux.lse.squeeze(0).float()  # [H, L], natural log
         out = out * torch.sigmoid(lse - sinks.float().reshape(-1, 1)).unsqueeze(-1).to(out.dtype)
-    return out[0].transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)
