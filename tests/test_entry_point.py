@@ -1,0 +1,40 @@
+"""The entry point's own autograd work at cp = 1: between the attention output and q, k, v there
+are only views and the kernel. A select (`t[0]`) or a slice of the key rows would add a
+backward that zero-fills a q/k/v-sized tensor and copies the gradient into it, every layer;
+the H200 kernel bench measured that as ~10% of an attention fwd+bwd at 32k tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_blockdiag_cp.bench.common import document_ids_for
+from hf_blockdiag_cp.bench.kernels import _step_for
+from hf_blockdiag_cp.runtime import blockdiag_attention
+
+_COPYING = ("Select", "Slice", "IndexSelect", "Index", "Clone", "Copy", "Cat", "Stack", "Gather")
+
+
+def _backward_nodes(out: torch.Tensor) -> list[str]:
+    seen, names, stack = set(), [], [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.append(type(fn).__name__)
+        stack.extend(nxt for nxt, _ in fn.next_functions)
+    return names
+
+
+def test_cp1_entry_point_backward_is_views_and_the_kernel():
+    doc_ids = document_ids_for([5, 3, 8])
+    step = _step_for(doc_ids, "dense", "cpu")
+    # Transformers' layout: projections [1, S, H, D], attention gets the [1, H, S, D] view.
+    leaves = [torch.randn(1, doc_ids.numel(), h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    out = blockdiag_attention(step, q, k, v, scale=None, sliding_window=None)
+    names = _backward_nodes(out)
+    assert [n for n in names if n.startswith(_COPYING)] == [], names
+    kernels = [n for n in names if not n.startswith(("Transpose", "Squeeze", "Unsqueeze", "View", "AccumulateGrad"))]
+    assert len(kernels) == 1, names
+    assert names.count("AccumulateGrad") == 3
