@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockdiag_cp.bench.common import document_ids_for
-from hf_blockdiag_cp.bench.kernels import _step_for
+from hf_blockdiag_cp import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
 from hf_blockdiag_cp.runtime import blockdiag_attention
+from hf_blockdiag_cp.state import STEP_KWARG
 
-_COPYING = ("Select", "Slice", "IndexSelect", "Index", "Clone", "Copy", "Cat", "Stack", "Gather")
+_COPYING = ("Select", "Slice", "Index", "Clone", "Copy", "Cat", "Stack", "Gather")
 
 
 def _backward_nodes(out: torch.Tensor) -> list[str]:
@@ -27,10 +27,15 @@ def _backward_nodes(out: torch.Tensor) -> list[str]:
 
 
 def test_cp1_entry_point_backward_is_views_and_the_kernel():
-    doc_ids = document_ids_for([5, 3, 8])
-    step = _step_for(doc_ids, "dense", "cpu")
+    doc_ids = torch.repeat_interleave(torch.tensor([1, 2, 3]), torch.tensor([5, 3, 8]))[None]
+    configure_cp_varlen("dense", "allgather")
+    try:
+        _, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.zeros_like(doc_ids), "document_ids": doc_ids})
+    finally:
+        configure_cp_varlen()
+    step = local[STEP_KWARG]
     # Transformers' layout: projections [1, S, H, D], attention gets the [1, H, S, D] view.
-    leaves = [torch.randn(1, doc_ids.numel(), h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    leaves = [torch.randn(1, doc_ids.shape[1], h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
     q, k, v = (t.transpose(1, 2) for t in leaves)
     out = blockdiag_attention(step, q, k, v, scale=None, sliding_window=None)
     names = _backward_nodes(out)
