@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_blockdiag_cp.exchange_plan import choose_exchange, kv_row_bytes, plan_exchange
-from hf_blockdiag_cp.layout import document_ids_from_lengths, plan_layout
+from hf_blockdiag_cp.planning import choose_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 SEQ_LENS = {"128k": 131072, "512k": 524288, "1M": 1048576}
 CP_SIZES = (2, 4, 8, 16)

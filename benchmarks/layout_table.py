@@ -32,8 +32,9 @@ import numpy as np
 
 import torch
 
-from hf_blockdiag_cp.balance import balanced_slot_positions, layout_cost
-from hf_blockdiag_cp.layout import document_ids_from_lengths, plan_layout
+from hf_blockdiag_cp.planning import layout_cost
+from hf_blockdiag_cp.planning.balance import balanced_slot_positions
+from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 PACK = 131072
 CP_SIZES = (2, 4, 8, 16)

@@ -48,12 +48,12 @@ sys.path.insert(0, str(REPO / "tests"))  # reference.py (the parity reference) a
 import hf_blockdiag_cp as bdcp  # noqa: E402
 from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for, histogram_lengths, markdown_table  # noqa: E402
 from hf_blockdiag_cp.bench.model import CONFIG_1B  # noqa: E402
-from hf_blockdiag_cp.exchange import exchange_kv  # noqa: E402
-from hf_blockdiag_cp.exchange_plan import choose_exchange, plan_exchange  # noqa: E402
+from hf_blockdiag_cp.comm import exchange_kv  # noqa: E402
+from hf_blockdiag_cp.planning import choose_exchange, plan_exchange  # noqa: E402
 from hf_blockdiag_cp.kernels import unsupported_reason  # noqa: E402
-from hf_blockdiag_cp.layout import plan_layout  # noqa: E402
-from hf_blockdiag_cp.runtime import blockdiag_attention, local_attention  # noqa: E402
-from hf_blockdiag_cp.state import CPStep  # noqa: E402
+from hf_blockdiag_cp.planning import plan_layout  # noqa: E402
+from hf_blockdiag_cp.attention import blockdiag_attention, local_attention  # noqa: E402
+from hf_blockdiag_cp.step import CPStep, build_step  # noqa: E402
 
 HIST_CSV = REPO / "benchmarks" / "data" / "doc_length_distribution.csv"
 PARTS = ("parity", "attention", "e2e", "overlap")
@@ -266,9 +266,10 @@ def part_parity(ctx: Ctx, args) -> dict:
                         continue
                     err = None
                     try:
-                        bdcp.configure_cp_varlen(kernel, exchange)
                         model.zero_grad(set_to_none=True)
-                        train_ctx, local, lay = bdcp.make_cp_blockdiag_batch_and_ctx(ctx.group, None, batch_dev, strategy=layout)
+                        train_ctx, local, lay = bdcp.make_cp_blockdiag_batch_and_ctx(
+                            ctx.group, None, batch_dev, config=bdcp.CPConfig(kernel, exchange, layout=layout)
+                        )
                         with train_ctx() as step:
                             loss = model(**local).loss
                             loss.backward()
@@ -294,8 +295,6 @@ def part_parity(ctx: Ctx, args) -> dict:
                     except Exception as exc:  # noqa: BLE001
                         err = f"{type(exc).__name__}: {exc}"
                         ctx.log("parity", row, err, traceback.format_exc(), all_ranks=True)
-                    finally:
-                        bdcp.configure_cp_varlen()
                     if ctx.any(err is not None):
                         row.update(status="ERROR", note=err or "failed on another rank")
                     elif ctx.any(row.get("status") != "pass"):  # the reduced numbers agree; belt and braces
@@ -350,7 +349,7 @@ def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange
     lay = plan_layout(document_ids_for(lengths), G, layout)
     xplan = plan_exchange(lay) if (G > 1 and exchange != "allgather") else None
     taken = choose_exchange(exchange, xplan) if xplan is not None else "allgather"
-    step = CPStep.for_rank(lay, rank, group, ctx.device, kernel, taken, xplan)
+    step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan)
     if kernel == "flex" and ctx.cuda:
         from hf_blockdiag_cp.kernels.flex import block_mask
 
@@ -695,7 +694,6 @@ def e2e_child(args) -> None:
         batch = {"input_ids": ids.to(device), "labels": ids.clone().to(device),
                  "position_ids": torch.cat([torch.arange(n) for n in lengths])[None].to(device)}
         out["docs"] = len(lengths)
-        bdcp.configure_cp_varlen("auto", "allgather")
         times = []
         fake_oom = S >= int(os.environ.get("MULTIGPU_FAKE_OOM_TOKENS", 1 << 62))
         if cuda:
@@ -704,7 +702,7 @@ def e2e_child(args) -> None:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig("auto", "allgather"))
             with train_ctx():
                 if fake_oom and rank == G - 1:  # testing hook: one rank fails mid-step, the others are in a collective
                     raise torch.OutOfMemoryError("MULTIGPU_FAKE_OOM_TOKENS")

@@ -1,11 +1,11 @@
 """Train a causal LM on packed documents with block-diagonal context parallelism (custom loop).
 
-    accelerate launch --cpu --num_processes 2 examples/train_packed.py --steps 20 --output-dir out
+    accelerate launch --cpu --num_processes 2 examples/train_packed.py --steps 20 --output-dir out/train_packed
     accelerate launch --cpu --num_processes 4 examples/train_packed.py --cp-size 2          # dp=2 x cp=2
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
 
 Defaults: a tiny Llama built from a config (fp32, random init), trained offline on the
-embedded corpus (`hf_blockdiag_cp.corpus`: top-level units of the Python standard library,
+embedded corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library,
 byte tokens), cp = number of processes.
 
 Loss (the same number for any dp x cp): per optimizer step, the token-weighted mean
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp import corpus
+from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
 from hf_blockdiag_cp.integrations.accelerate import (
     build_dp_cp_mesh,
@@ -77,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
-    p.add_argument("--output-dir", default=None, help="write metrics.json and loss.png here")
+    p.add_argument("--output-dir", default="out/train_packed", help="write metrics.json and loss.png here")
     args = p.parse_args(argv)
     for name in ("max_tokens", "steps", "packs_per_step"):
         if getattr(args, name) <= 0:
@@ -217,13 +217,17 @@ def world_sum(values: list[float], device: torch.device, dtype=torch.float64) ->
 
 
 def write_outputs(output_dir: Path, metrics: dict) -> None:
-    import matplotlib
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (the [bench] extra): loss.png not written", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = range(1, len(metrics["losses"]) + 1)
     ax.plot(steps, metrics["losses"], marker="o", markersize=3)
@@ -253,7 +257,7 @@ def train(args) -> dict:
     micro_steps = args.packs_per_step // place.dp_size
     mesh = build_dp_cp_mesh(place)
     cp_mesh = cp_submesh(mesh)
-    bdcp.configure_cp_varlen(args.attn_backend)
+    cp_config = bdcp.CPConfig(attn_backend=args.attn_backend)
 
     dataset, pad_token_id, vocab = load_training_data(args)
     loader = packed_dataloader(
@@ -279,7 +283,7 @@ def train(args) -> dict:
             started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=place.device)
         for i, batch in enumerate(micro):
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=cp_config)
             local["num_items_in_batch"] = max(n_targets, 1.0) / place.world_size  # loss = sum * W / N
             with gradient_sync(model, enabled=i == len(micro) - 1), train_ctx():
                 with autocast:

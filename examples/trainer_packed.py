@@ -1,11 +1,11 @@
 """Train a causal LM on packed documents with block-diagonal CP through `transformers.Trainer`.
 
-    accelerate launch --cpu --num_processes 2 examples/trainer_packed.py --steps 20 --output-dir out
+    accelerate launch --cpu --num_processes 2 examples/trainer_packed.py --steps 20 --output-dir out/trainer_packed
     torchrun --standalone --nproc-per-node 4 examples/trainer_packed.py --cp-size 2      # dp=2 x cp=2
     accelerate launch --num_processes 8 examples/trainer_packed.py --cp-size 4         # GPUs: NCCL
 
 Same defaults as `examples/train_packed.py` (the custom loop): a tiny Llama built from a
-config (fp32, random init, seed `--seed`), the embedded corpus (`hf_blockdiag_cp.corpus`),
+config (fp32, random init, seed `--seed`), the embedded corpus (`hf_blockdiag_cp.data.corpus`),
 packs of `--max-tokens` tokens, `--packs-per-step` packs per optimizer step over all DP
 replicas, AdamW (betas 0.9/0.95, no weight decay), constant learning rate, clipping at 1.0,
 cp = number of processes.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp import corpus
+from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.accelerate import cpu_workers_to_start, relaunch_cpu_workers
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 
@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
-    p.add_argument("--output-dir", default=None, help="write metrics.json, loss.png and the final model here")
+    p.add_argument("--output-dir", default="out/trainer_packed", help="write metrics.json, loss.png and the final model here")
     args = p.parse_args(argv)
     for name in ("max_tokens", "steps", "packs_per_step"):
         if getattr(args, name) <= 0:
@@ -115,7 +115,7 @@ def training_arguments(args, world_size: int, cp_size: int):
         raise ValueError(f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp_size}")
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
     return TrainingArguments(
-        output_dir=args.output_dir or "trainer_packed_out",
+        output_dir=args.output_dir,
         max_steps=args.steps,
         per_device_train_batch_size=1,
         gradient_accumulation_steps=args.packs_per_step // dp_size,
@@ -140,13 +140,17 @@ def training_arguments(args, world_size: int, cp_size: int):
 
 
 def write_outputs(output_dir: Path, metrics: dict) -> None:
-    import matplotlib
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed (the [bench] extra): loss.png not written", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
     ax.set_xlabel("optimizer step")

@@ -1,35 +1,21 @@
-"""Backend and exchange names, their synonyms, and the process-wide CP configuration.
+"""`CPConfig`: the choices of a block-diagonal CP step, as one frozen object passed per call.
 
 Users name kernels and exchanges in many spellings (`flash_attn`, `FA2`, `all-gather` ...);
-everything inside the library sees only the canonical names below.
+a `CPConfig` holds only the canonical names (kernel spellings come from the kernel records,
+`kernels.registry`). `make_cp_blockdiag_batch_and_ctx(..., config=CPConfig(...))` uses the
+given object; without one it uses the process default, which `configure_cp` (seed name
+`configure_cp_varlen`) sets as a convenience.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-ATTN_BACKENDS = ("auto", "dense", "flex", "varlen", "flash", "te")
-KV_EXCHANGES = ("auto", "allgather", "halo", "a2a")
+from .kernels import canonical_kernel_name
+from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, layout_strategies
 
-_BACKEND_SYNONYMS = {
-    "auto": "auto",
-    "dense": "dense",
-    "sdpa": "dense",
-    "flex": "flex",
-    "flexattention": "flex",
-    "flex_attention": "flex",
-    "varlen": "varlen",
-    "torch_varlen": "varlen",
-    "varlen_attn": "varlen",
-    "flash": "flash",
-    "flash_attn": "flash",
-    "flashattention": "flash",
-    "flash_attention": "flash",
-    "fa2": "flash",
-    "te": "te",
-    "transformer_engine": "te",
-    "transformerengine": "te",
-}
+KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
 
 _EXCHANGE_SYNONYMS = {
     "auto": "auto",
@@ -45,62 +31,86 @@ _EXCHANGE_SYNONYMS = {
 }
 
 
-def _canonical(value: str, synonyms: dict[str, str], field: str, accepted: tuple[str, ...]) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{field} must be a string, one of {', '.join(accepted)}; got {type(value).__name__}")
-    key = value.strip().lower().replace("-", "_")
-    if key not in synonyms:
-        raise ValueError(
-            f"{field}={value!r} is not supported; accepted values: {', '.join(accepted)} "
-            f"(synonyms: {', '.join(sorted(synonyms))}; case and '-'/'_' insensitive)"
-        )
-    return synonyms[key]
-
-
 def normalize_backend(name: str) -> str:
-    """Canonical kernel name for any accepted spelling of `attn_backend`."""
-    return _canonical(name, _BACKEND_SYNONYMS, "attn_backend", ATTN_BACKENDS)
+    """Canonical kernel name (or "auto") for any accepted spelling of `attn_backend`."""
+    return canonical_kernel_name(name)
 
 
 def normalize_exchange(name: str) -> str:
     """Canonical exchange name for any accepted spelling of `kv_exchange`."""
-    return _canonical(name, _EXCHANGE_SYNONYMS, "kv_exchange", KV_EXCHANGES)
+    if not isinstance(name, str):
+        raise TypeError(f"kv_exchange must be a string, one of {', '.join(KV_EXCHANGES)}; got {type(name).__name__}")
+    key = name.strip().lower().replace("-", "_")
+    if key not in _EXCHANGE_SYNONYMS:
+        raise ValueError(
+            f"kv_exchange={name!r} is not supported; accepted values: {', '.join(KV_EXCHANGES)} "
+            f"(synonyms: {', '.join(sorted(_EXCHANGE_SYNONYMS))}; case and '-'/'_' insensitive)"
+        )
+    return _EXCHANGE_SYNONYMS[key]
 
 
 @dataclass(frozen=True)
 class CPConfig:
-    """Process-wide choices for block-diagonal CP steps (see `configure_cp_varlen`)."""
+    """What a CP step runs with.
+
+    attn_backend: local kernel, `auto` or a kernel name (any accepted spelling).
+    kv_exchange: `allgather`, `halo`, `a2a`, or `auto` (per step the cheapest exact one:
+      halo, else a2a, else allgather; on a CP group over several nodes, from
+      LOCAL_WORLD_SIZE, it keeps allgather unless `allow_cross_node_a2a`).
+    layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one
+      registered with `planning.register_layout_strategy`); `balance_tolerance` is the
+      balanced layout's target max/mean work - 1.
+    Spellings are normalised on construction; an unknown one raises ValueError listing the
+    accepted names.
+    """
 
     attn_backend: str = "auto"
     kv_exchange: str = "allgather"
-    # `auto` picks a needed-only exchange (halo / a2a) on a group that spans several nodes only
-    # when this is True (all-to-all across nodes is often slower per byte than a ring all-gather).
+    layout: str = "contiguous"
+    balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
 
+    def __post_init__(self):
+        set_ = object.__setattr__  # frozen: normalise in place once
+        set_(self, "attn_backend", normalize_backend(self.attn_backend))
+        set_(self, "kv_exchange", normalize_exchange(self.kv_exchange))
+        if self.layout not in layout_strategies():
+            raise ValueError(f"layout={self.layout!r} is not supported; accepted values: {', '.join(layout_strategies())}")
+        tol = self.balance_tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+            raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
+        if not isinstance(self.allow_cross_node_a2a, bool):
+            raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
 
-_CONFIG = CPConfig()
+    def replace(self, **changes) -> "CPConfig":
+        """A copy with some fields changed (normalised again)."""
+        return dataclasses.replace(self, **changes)
 
 
-def configure_cp_varlen(
-    attn_backend: str = "auto", kv_exchange: str = "allgather", allow_cross_node_a2a: bool = False
+_DEFAULT = CPConfig()
+
+
+def default_config() -> CPConfig:
+    """The process default (what a step uses when no config is passed)."""
+    return _DEFAULT
+
+
+def configure_cp(
+    attn_backend: str = "auto",
+    kv_exchange: str = "allgather",
+    allow_cross_node_a2a: bool = False,
+    *,
+    layout: str = "contiguous",
+    balance_tolerance: float = DEFAULT_TOLERANCE,
 ) -> CPConfig:
-    """Set the local kernel and the K/V exchange used by every following CP step.
+    """Set the process default `CPConfig` (used by every step built without `config=`) and return it.
 
-    `kv_exchange="auto"` picks per step the cheapest exact exchange (halo, else a2a, else
-    allgather); on a CP group over several nodes (from LOCAL_WORLD_SIZE) it keeps allgather
-    unless `allow_cross_node_a2a=True`. Raises ValueError listing the accepted names for an
-    unknown spelling. Returns the configuration now in force.
+    A convenience for scripts; libraries and tests should pass a `CPConfig` per call.
+    Calling it with no arguments restores the defaults.
     """
-    global _CONFIG
-    if not isinstance(allow_cross_node_a2a, bool):
-        raise TypeError(f"allow_cross_node_a2a must be True or False; got {allow_cross_node_a2a!r}")
-    _CONFIG = CPConfig(
-        attn_backend=normalize_backend(attn_backend),
-        kv_exchange=normalize_exchange(kv_exchange),
-        allow_cross_node_a2a=allow_cross_node_a2a,
-    )
-    return _CONFIG
+    global _DEFAULT
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a)
+    return _DEFAULT
 
 
-def current_config() -> CPConfig:
-    return _CONFIG
+configure_cp_varlen = configure_cp  # the seed's name (it sets more than the varlen kernel)

@@ -8,9 +8,13 @@ Families: `phi3` (LongRoPE / dynamic RoPE from the global pack), `qwen2_vl` (Qwe
 Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions).
 """
 
+from hf_blockdiag_cp.attention.model_check import register_model_check
+
 from . import phi3, qwen2_vl  # noqa: F401  (registration)
 from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
 from .unsupported import UNSUPPORTED_MODEL_TYPES
+
+register_model_check(check_attention_module)  # the library's one hook into the patches
 
 __all__ = [
     "PATCHES",

@@ -20,8 +20,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from hf_blockdiag_cp.consensus import collective_device
-from hf_blockdiag_cp.state import CPStep, active_step
+from hf_blockdiag_cp.comm.consensus import collective_device
+from hf_blockdiag_cp.step.state import CPStep, active_step
 
 from .registry import ModelPatch, register_patch
 

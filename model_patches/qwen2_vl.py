@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockdiag_cp.state import STEP_KWARG, active_step
+from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
 from .registry import ModelPatch, register_patch
 

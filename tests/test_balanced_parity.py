@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.batch import document_ids_of
-from hf_blockdiag_cp.exchange_plan import plan_exchange
-from hf_blockdiag_cp.layout import plan_layout
+from hf_blockdiag_cp.step import STEP_KWARG, document_ids_of
+from hf_blockdiag_cp.planning import plan_exchange
+from hf_blockdiag_cp.planning import plan_layout
 from packs import make_pack
 from test_parity import FAMILIES, TOL, parity_case
 
@@ -41,7 +41,7 @@ def exchange_case(rank, world_size, group, pack, exchange):
     try:
         _, batch = make_pack(pack, world_size)
         _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced")
-        return local[bdcp.state.STEP_KWARG].kv_exchange, layout.strategy
+        return local[STEP_KWARG].kv_exchange, layout.strategy
     finally:
         bdcp.configure_cp_varlen()
 

@@ -11,8 +11,8 @@ import datasets
 import pytest
 import torch
 
-from hf_blockdiag_cp.batch import shard_batch
-from hf_blockdiag_cp.collator import BlockdiagCPCollator
+from hf_blockdiag_cp.step import shard_batch
+from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, packed_dataloader
 
 IGNORE = -100

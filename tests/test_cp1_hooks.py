@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from hf_blockdiag_cp.layout import document_ids_from_lengths
-from hf_blockdiag_cp.packed import (
+from hf_blockdiag_cp.planning import document_ids_from_lengths
+from hf_blockdiag_cp.attention.sdpa_hooks import (
     attach_cp1_packed_varlen_hooks,
     cp1_packed_varlen_backend,
     disable_cp1_packed_varlen,

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.collator import BlockdiagCPCollator
+from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import DocumentPiece, PackedBatchSampler, dp_cp_coordinates, packed_dataloader
-from hf_blockdiag_cp.packing import PackingStats
+from hf_blockdiag_cp.data.packing import PackingStats
 
 
 def random_lengths(n: int, max_len: int, seed: int) -> list[int]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from hf_blockdiag_cp import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
-from hf_blockdiag_cp.runtime import blockdiag_attention
-from hf_blockdiag_cp.state import STEP_KWARG
+from hf_blockdiag_cp.attention import blockdiag_attention
+from hf_blockdiag_cp.step import STEP_KWARG
 
 _COPYING = ("Select", "Slice", "Index", "Clone", "Copy", "Cat", "Stack", "Gather")
 

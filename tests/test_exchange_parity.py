@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.exchange_plan import kv_row_bytes
+from hf_blockdiag_cp.planning import kv_row_bytes
 from packs import make_pack
 from reference import build_models
 from test_parity import TOL, parity_case

@@ -12,17 +12,19 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.exchange import ExchangeMeter, exchange_kv
-from hf_blockdiag_cp.exchange_plan import (
+from hf_blockdiag_cp.comm import ExchangeMeter, exchange_kv
+from hf_blockdiag_cp.planning import (
     EXCHANGE_KINDS,
     choose_exchange,
-    expand,
     kv_row_bytes,
     needed_rank_plan,
     plan_exchange,
     rank_routes,
 )
-from hf_blockdiag_cp.layout import LAYOUT_STRATEGIES, dense_allowed, plan_layout, plan_rank
+from hf_blockdiag_cp.planning import dense_allowed, layout_strategies, plan_layout, plan_rank
+from hf_blockdiag_cp.planning.segments import expand
+
+LAYOUT_STRATEGIES = layout_strategies()
 
 # --------------------------------------------------------------------------- packs and layouts
 

@@ -12,6 +12,7 @@ subgroup's timeout is longer than the test's, so the test fails if anything reli
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from datetime import timedelta
 
@@ -32,21 +33,21 @@ class InjectedFault(RuntimeError):
 
 def fault_case(rank, world_size, group, exchange, layout, failing_rank):
     sub = dist.new_group(backend="gloo", timeout=timedelta(seconds=10 * CASE_TIMEOUT))
-    original = kernels.KERNELS["dense"]
+    original = kernels.get_kernel("dense")
 
     def faulty_kernel(q, k, v, step, **kwargs):
         if rank == failing_rank:
             raise InjectedFault(f"injected failure in the kernel on rank {rank}, after the {step.kv_exchange} exchange")
-        return original(q, k, v, step, **kwargs)
+        return original.fn(q, k, v, step, **kwargs)
 
-    bdcp.configure_cp_varlen("dense", exchange)
-    kernels.KERNELS["dense"] = faulty_kernel
+    config = bdcp.CPConfig("dense", exchange)
+    kernels.register_kernel(dataclasses.replace(original, fn=faulty_kernel))
     error, refused_again, ran = None, None, None
     try:
         for _ in range(2):  # a rank that depends on nobody who failed meets the others at the next step
             _, model = build_models("llama")
             _, batch = make_pack(layout, world_size)
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, batch)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, batch, config=config)
             ran = local["blockdiag_cp_step"].kv_exchange
             with train_ctx():
                 model(**local).loss.backward()
@@ -55,12 +56,11 @@ def fault_case(rank, world_size, group, exchange, layout, failing_rank):
         error = f"{type(exc).__name__}: {exc}\n" + "\n".join(getattr(exc, "__notes__", []))
         if rank != failing_rank:
             try:  # a group whose collective failed is refused at once, without a collective
-                bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, make_pack(layout, world_size)[1])
+                bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, make_pack(layout, world_size)[1], config=config)
             except RuntimeError as again:
                 refused_again = str(again)
     finally:
-        kernels.KERNELS["dense"] = original
-        bdcp.configure_cp_varlen()
+        kernels.register_kernel(original)
         # This rank "exits": release the subgroup so its sockets close, as at process exit.
         model = batch = train_ctx = local = None
         dist.destroy_process_group(sub)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels.flex import _mask_mod
-from hf_blockdiag_cp.layout import dense_allowed, plan_layout
-from hf_blockdiag_cp.state import CPStep
+from hf_blockdiag_cp.planning import dense_allowed, plan_layout
+from hf_blockdiag_cp.step import CPStep, build_step
 
 
 @pytest.mark.parametrize("window", [None, 3])
@@ -20,7 +20,7 @@ def test_mask_mod_matches_dense(window, cp_size, fast_paths):
     doc_ids = torch.tensor([1] * 5 + [2] * 9 + [3] + [0] * 2 + [4] * 7)
     layout = plan_layout(doc_ids, cp_size)
     for rank in range(cp_size):
-        plan = CPStep.for_rank(layout, rank, None, torch.device("cpu"), "flex", "allgather").plan
+        plan = build_step(layout, rank, None, torch.device("cpu"), "flex", "allgather").plan
         if not fast_paths:
             plan = dataclasses.replace(plan, q_offset=None, rows_are_positions=False)
         mod = _mask_mod(plan, window)
@@ -35,10 +35,10 @@ def test_mask_mod_matches_dense(window, cp_size, fast_paths):
 def test_varlen_segments_match_dense_for_balanced_layouts(cp_size):
     """Every varlen segment, laid out with bottom-right causal alignment, allows exactly the
     dense mask's pairs, also when a rank holds two separate chunks of one document."""
-    from hf_blockdiag_cp.layout import LAYOUT_STRATEGIES, plan_rank
+    from hf_blockdiag_cp.planning import layout_strategies, plan_rank
 
     doc_ids = torch.tensor([1] * 37 + [2] * 3 + [3] * 12 + [0] * 2)
-    for strategy in LAYOUT_STRATEGIES:
+    for strategy in layout_strategies():
         layout = plan_layout(doc_ids, cp_size, strategy)
         seg = layout.segments.segment_ids
         for rank in range(cp_size):
@@ -70,7 +70,7 @@ def test_block_classes_against_dense(window, exchange, strategy, cp_size, block)
     doc_ids = torch.tensor([1] * 13 + [2] * 3 + [3] + [4] * 21 + [5] * 2 + [0] * 3)
     layout = plan_layout(doc_ids, cp_size, strategy)
     for rank in range(cp_size):
-        plan = CPStep.for_rank(layout, rank, None, torch.device("cpu"), "flex", exchange).plan
+        plan = build_step(layout, rank, None, torch.device("cpu"), "flex", exchange).plan
         lo, hi = query_intervals(plan, window)
         partial, full = block_classes(lo, hi, plan.row_positions, block)
         want = dense_allowed(plan.q_positions, plan.q_segments, plan.row_positions, plan.row_segments, window)

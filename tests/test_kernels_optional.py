@@ -1,10 +1,9 @@
-"""The optional flash-attn and Transformer Engine kernels (experimental, issue 5 scope 1).
+"""The optional flash-attn and Transformer Engine kernels (experimental).
 
-Always run (CPU): the pure peel of asymmetric segments (hypothesis over layouts and
-exchanges), the version rule, the registration (never chosen by `auto`, refused with the
-reason when the package is missing), and the whole flash kernel against the dense kernel with
-a float64 CPU stand-in for flash-attn in both causal alignments (bottom-right as in flash-attn
->= 2.1, top-left as in older releases: the peeled path), forward and backward.
+Always run (CPU): the registration (never chosen by `auto`, refused with the reason when the
+package is missing), and the whole flash kernel against the dense kernel with a float64 CPU
+stand-in for flash-attn (bottom-right causal alignment, as flash-attn >= 2.1), forward and
+backward.
 On a CUDA machine with the package installed: the real kernel against the dense one in bf16.
 """
 
@@ -17,105 +16,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.exchange_plan import needed_rank_plan, plan_exchange
-from hf_blockdiag_cp.kernels import KERNELS, choose_kernel, unsupported_reason
+from hf_blockdiag_cp.planning import needed_rank_plan, plan_exchange
+from hf_blockdiag_cp.kernels import choose_kernel, get_kernel, kernel_names, unsupported_reason
 from hf_blockdiag_cp.kernels import flash as flash_mod
 from hf_blockdiag_cp.kernels.dense import dense_attention
-from hf_blockdiag_cp.layout import plan_layout, plan_rank
-from hf_blockdiag_cp.state import CPStep
+from hf_blockdiag_cp.planning import plan_layout, plan_rank
+from hf_blockdiag_cp.step import CPStep, build_step
 from test_exchange_plan import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
 
 CPU = torch.device("cpu")
-
-# --------------------------------------------------------------------------- the peel (pure)
-
-
-def _check_split(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
-    split = flash_mod.split_asymmetric_segments(cu_q, cu_k)
-    cu_q, cu_k = cu_q.long(), cu_k.long()
-    q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    asym = [i for i in range(q_lens.numel()) if k_lens[i] > q_lens[i]]
-    square = [i for i in range(q_lens.numel()) if k_lens[i] == q_lens[i]]
-    assert split.peeled == tuple((int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])) for i in asym)
-
-    def rows(r):
-        return torch.arange(*r) if isinstance(r, tuple) else r
-
-    if not square:
-        assert split.cu_seqlens is None and split.q_rows is None and split.k_rows is None
-        batched_q = torch.zeros(0, dtype=torch.long)
-    else:
-        assert split.cu_seqlens.dtype == torch.int32
-        lens = split.cu_seqlens[1:].long() - split.cu_seqlens[:-1].long()
-        assert lens.tolist() == [int(q_lens[i]) for i in square]
-        assert split.max_seqlen == int(lens.max())
-        batched_q = rows(split.q_rows)
-        want_q = torch.cat([torch.arange(int(cu_q[i]), int(cu_q[i + 1])) for i in square])
-        want_k = torch.cat([torch.arange(int(cu_k[i]), int(cu_k[i + 1])) for i in square])
-        assert torch.equal(batched_q, want_q) and torch.equal(rows(split.k_rows), want_k)
-    order = torch.cat([torch.arange(a, b) for a, b, _, _ in split.peeled] + [batched_q])
-    total = int(cu_q[-1])
-    assert sorted(order.tolist()) == list(range(total))  # every query row exactly once
-    restored = order if split.inverse is None else order[split.inverse]
-    assert torch.equal(restored, torch.arange(total))
-
-
-@settings(max_examples=150, deadline=None)
-@given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS), window=window_strategy)
-def test_peel_over_planned_layouts(runs, cp_size, kind, window):
-    layout = make_layout(pack_ids(runs), cp_size, kind)
-    exchange = plan_exchange(layout, window)
-    for rank in range(cp_size):
-        for plan in (plan_rank(layout, rank), needed_rank_plan(layout, exchange, rank)):
-            _check_split(plan.cu_seqlens_q, plan.cu_seqlens_k)
-
-
-def _cu(lengths):
-    return torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32)
-
-
-@pytest.mark.parametrize(
-    "q_lens, k_lens",
-    [
-        ([3, 4, 5], [9, 4, 5]),  # contiguous layout: only the first segment continues a document
-        ([3, 4, 5], [3, 4, 5]),  # nothing to peel
-        ([3, 4, 5], [3, 7, 5]),  # an asymmetric segment in the middle (head-tail / balanced layouts)
-        ([2, 2], [5, 6]),  # everything peeled
-        ([1], [1]),
-    ],
-)
-def test_peel_cases(q_lens, k_lens):
-    _check_split(_cu(q_lens), _cu(k_lens))
-
-
-def test_peel_first_segment_keeps_query_order():
-    split = flash_mod.split_asymmetric_segments(_cu([3, 4, 5]), _cu([9, 4, 5]))
-    assert split.peeled == ((0, 3, 0, 9),)
-    assert split.q_rows == (3, 12) and split.k_rows == (9, 18) and split.inverse is None
-    assert split.cu_seqlens.tolist() == [0, 4, 9] and split.max_seqlen == 5
-
-
-def test_peel_refuses_more_queries_than_keys():
-    with pytest.raises(ValueError, match="at least as many keys as queries"):
-        flash_mod.split_asymmetric_segments(_cu([3, 4]), _cu([3, 2]))
-
-
-@pytest.mark.parametrize(
-    "version, bottom_right",
-    [("2.0.9", False), ("2.1.0", True), ("2.1.2.post3", True), ("2.7.4.post1", True), ("1.0.9", False), ("3.0.0b1", True), ("2.3.6+cu121", True)],
-)
-def test_causal_alignment_by_version(version, bottom_right):
-    assert flash_mod.causal_is_bottom_right(version) is bottom_right
-
 
 # --------------------------------------------------------------------------- registration
 
 
 @pytest.mark.parametrize("name", ["flash", "te"])
 def test_registered_but_never_auto(name, monkeypatch):
-    assert name in KERNELS
+    assert name in kernel_names()
     for device in ("cpu", "cuda"):
-        assert choose_kernel("auto", torch.device(device), torch.bfloat16, 64, 64) != name
+        assert choose_kernel("auto", torch.device(device), torch.bfloat16, 64, 64).name != name
     reason = unsupported_reason(name, torch.device("cuda"), torch.bfloat16, 64, 64, frozenset({"softcap"}))
     assert reason is not None and "softcap" in reason
 
@@ -149,32 +67,26 @@ def _reference_segment(q, k, v, scale, bottom_right, window):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def fake_flash(bottom_right: bool):
-    """A float64 CPU stand-in with flash-attn's call signatures and the chosen causal alignment."""
+def fake_flash():
+    """A float64 CPU stand-in with flash-attn's varlen call signature (bottom-right causal alignment)."""
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1)):
         assert causal and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
         outs = [
-            _reference_segment(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], softmax_scale, bottom_right, window_size)
+            _reference_segment(q[cq[i] : cq[i + 1]], k[ck[i] : ck[i + 1]], v[ck[i] : ck[i + 1]], softmax_scale, True, window_size)
             for i in range(len(cq) - 1)
         ]
         return torch.cat(outs)
 
-    def dense(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
-        assert causal and q.shape[0] == 1
-        return _reference_segment(q[0], k[0], v[0], softmax_scale, bottom_right, window_size)[None]
-
-    return types.SimpleNamespace(
-        __version__="2.7.0" if bottom_right else "2.0.9", flash_attn_varlen_func=varlen, flash_attn_func=dense
-    )
+    return types.SimpleNamespace(__version__="2.7.0", flash_attn_varlen_func=varlen)
 
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    def install(bottom_right: bool):
-        fake = fake_flash(bottom_right)
+    def install():
+        fake = fake_flash()
         monkeypatch.setattr(flash_mod, "_flash_module", lambda: fake)
         monkeypatch.setattr(flash_mod, "_accepts_window", lambda: True)
         return fake
@@ -185,17 +97,16 @@ def stand_in(monkeypatch):
 LENGTHS = [5, 23, 3, 9, 1, 14]
 
 
-@pytest.mark.parametrize("bottom_right", [True, False])
 @pytest.mark.parametrize("strategy, exchange", [("contiguous", "allgather"), ("balanced", "allgather"), ("balanced", "a2a"), ("headtail", "allgather")])
 @pytest.mark.parametrize("window", [None, 4])
-def test_flash_kernel_matches_dense_on_a_stand_in(stand_in, bottom_right, strategy, exchange, window):
-    stand_in(bottom_right)
+def test_flash_kernel_matches_dense_on_a_stand_in(stand_in, strategy, exchange, window):
+    stand_in()
     cp_size, heads, kv_heads, dim = 3, 4, 2, 8
     layout = make_layout(pack_ids([(False, n) for n in LENGTHS]), cp_size, strategy)
     gen = torch.Generator().manual_seed(0)
     asymmetric_seen = False
     for rank in range(cp_size):
-        step = CPStep.for_rank(layout, rank, None, CPU, "dense", exchange)
+        step = build_step(layout, rank, None, CPU, "dense", exchange)
         rp = step.rank_plan
         q_lens = rp.cu_seqlens_q[1:] - rp.cu_seqlens_q[:-1]
         k_lens = rp.cu_seqlens_k[1:] - rp.cu_seqlens_k[:-1]
@@ -221,25 +132,6 @@ def test_flash_kernel_matches_dense_on_a_stand_in(stand_in, bottom_right, strate
     assert asymmetric_seen  # the layouts exercise the alignment that the guard is for
 
 
-def test_one_top_left_call_would_be_wrong(stand_in):
-    """Why the guard exists: a single top-left causal call hides keys from a continued document."""
-    fake = stand_in(False)
-    layout = plan_layout(LENGTHS, 3)
-    step = CPStep.for_rank(layout, 1, None, CPU, "dense", "allgather")
-    rp = step.rank_plan
-    assert int(rp.cu_seqlens_k[1] - rp.cu_seqlens_k[0]) > int(rp.cu_seqlens_q[1] - rp.cu_seqlens_q[0])
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(layout.local_len, 2, 8, generator=gen, dtype=torch.float64)
-    k = torch.randn(rp.num_keys, 2, 8, generator=gen, dtype=torch.float64)
-    v = torch.randn(rp.num_keys, 2, 8, generator=gen, dtype=torch.float64)
-    want = dense_attention(q, k, v, step, scale=0.3, sliding_window=None)
-    naive = fake.flash_attn_varlen_func(
-        q, k, v, rp.cu_seqlens_q, rp.cu_seqlens_k, rp.max_seqlen_q, rp.max_seqlen_k, softmax_scale=0.3, causal=True
-    )
-    assert (naive - want).abs().max() > 1e-2
-    torch.testing.assert_close(flash_mod.flash_attention_kernel(q, k, v, step, scale=0.3, sliding_window=None), want)
-
-
 # --------------------------------------------------------------------------- real packages on a GPU
 
 
@@ -252,14 +144,14 @@ def _gpu_case(name):
     layout = plan_layout([300, 1000, 77, 500, 1], 2)
     errors = []
     for rank in range(2):
-        step = CPStep.for_rank(layout, rank, None, device, name, "allgather")
+        step = build_step(layout, rank, None, device, name, "allgather")
         gen = torch.Generator(device=device).manual_seed(rank)
         shape_q, shape_k = (layout.local_len, 8, 64), (step.rank_plan.num_keys, 2, 64)
         q = torch.randn(shape_q, generator=gen, device=device, dtype=torch.float64)
         k = torch.randn(shape_k, generator=gen, device=device, dtype=torch.float64)
         v = torch.randn(shape_k, generator=gen, device=device, dtype=torch.float64)
         want = dense_attention(q, k, v, step, scale=0.125, sliding_window=None)
-        got = KERNELS[name](q.bfloat16(), k.bfloat16(), v.bfloat16(), step, scale=0.125, sliding_window=None)
+        got = get_kernel(name).fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), step, scale=0.125, sliding_window=None)
         errors.append(float((got.double() - want).abs().max()))
     assert max(errors) < 3e-2, errors
 
@@ -283,7 +175,7 @@ class _FakeDotProductAttention(torch.nn.Module):
 
     def forward(self, q, k, v, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None, window_size=None):
         assert q.shape[1] == self.heads
-        out = fake_flash(True).flash_attn_varlen_func(
+        out = fake_flash().flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale=self.scale, causal=True,
             window_size=window_size or (-1, 0),
         )
@@ -302,7 +194,7 @@ def test_te_kernel_plumbing_on_a_stand_in(monkeypatch, window):
         layout = plan_layout(LENGTHS, 3)
         gen = torch.Generator().manual_seed(2)
         for rank in range(3):
-            step = CPStep.for_rank(layout, rank, None, CPU, "dense", "allgather")
+            step = build_step(layout, rank, None, CPU, "dense", "allgather")
             n_k = step.rank_plan.num_keys
             q = torch.randn(layout.local_len, 4, 8, generator=gen, dtype=torch.float64)
             k = torch.randn(n_k, 2, 8, generator=gen, dtype=torch.float64)

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.balance import layout_cost, rank_work
-from hf_blockdiag_cp.layout import document_ids_from_lengths, plan_layout
+from hf_blockdiag_cp.planning import layout_cost, rank_work
+from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 TOLERANCE = 0.05
 
@@ -67,7 +67,7 @@ def check_valid(layout, cp_size: int, seq_len: int) -> None:
 
 
 def assert_within_bound(work: list[int], contiguous_work: list[int], layout) -> None:
-    """The guarantee stated in hf_blockdiag_cp.balance: never worse than contiguous chunks, and
+    """The guarantee stated in hf_blockdiag_cp.planning.balance: never worse than contiguous chunks, and
     max work <= max((1 + eps) T, T + l_max)."""
     assert max(work) <= max(contiguous_work)
     mean = sum(work) / len(work)

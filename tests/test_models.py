@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import choose_kernel, unsupported_reason
 from hf_blockdiag_cp.kernels.flex import flex_attention_kernel
-from hf_blockdiag_cp.layout import document_ids_from_lengths, plan_layout
-from hf_blockdiag_cp.runtime import AttentionFeatures, blockdiag_cp_attention_forward, local_attention
-from hf_blockdiag_cp.state import CPStep
+from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
+from hf_blockdiag_cp.attention import AttentionFeatures, blockdiag_cp_attention_forward, local_attention
+from hf_blockdiag_cp.step import CPStep, build_step
 from model_zoo import (
     IMAGE_GRID,
     LONGROPE_ORIGINAL_CONTEXT,
@@ -242,7 +242,7 @@ def test_dense_features_match_fp64_reference(world_size, window, softcap, use_si
     want_grads = torch.autograd.grad((want * cot).sum(), leaves)
     got_rows, got_grads = [], [torch.zeros_like(t) for t in leaves]
     for rank in range(world_size):
-        step = CPStep.for_rank(layout, rank, None, torch.device("cpu"), "dense", "allgather")
+        step = build_step(layout, rank, None, torch.device("cpu"), "dense", "allgather")
         lv = [t.clone().requires_grad_() for t in leaves]
         rows = layout.slot_positions.reshape(-1)  # what the all-gather would return, in slot order
         features = AttentionFeatures(softcap, lv[3] if use_sinks else None)
@@ -267,7 +267,7 @@ def test_flex_features_forward_match_fp64_reference(softcap, use_sinks):
                            sinks=sinks if use_sinks else None)
     rows = layout.slot_positions.reshape(-1)
     for rank in range(2):
-        step = CPStep.for_rank(layout, rank, None, torch.device("cpu"), "flex", "allgather")
+        step = build_step(layout, rank, None, torch.device("cpu"), "flex", "allgather")
         features = AttentionFeatures(softcap, sinks if use_sinks else None)
         out = local_attention(step, q[layout.slot_positions[rank]], k[rows], v[rows], scale=0.4, sliding_window=3,
                               features=features)
@@ -277,12 +277,12 @@ def test_flex_features_forward_match_fp64_reference(softcap, use_sinks):
 
 def test_kernel_choice_follows_layer_features():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert choose_kernel("auto", cpu, torch.float32, 8, 8, frozenset({"softcap", "sinks"})) == "dense"
+    assert choose_kernel("auto", cpu, torch.float32, 8, 8, frozenset({"softcap", "sinks"})).name == "dense"
     # On CUDA, auto skips varlen for a softcapped or sink layer (device type only: no GPU needed here).
-    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"sinks"})) == "flex"
-    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"softcap"})) == "flex"
+    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"sinks"})).name == "flex"
+    assert choose_kernel("auto", cuda, torch.bfloat16, 16, 16, frozenset({"softcap"})).name == "flex"
     # Compiled flex cannot lower head dims under 16: auto falls back to dense, an explicit choice says why.
-    assert choose_kernel("auto", cuda, torch.bfloat16, 8, 8, frozenset({"sinks"})) == "dense"
+    assert choose_kernel("auto", cuda, torch.bfloat16, 8, 8, frozenset({"sinks"})).name == "dense"
     with pytest.raises(ValueError, match=r"attn_backend='flex'.*head dims of at least 16, got 16 \(key\) and 8"):
         choose_kernel("flex", cuda, torch.bfloat16, 16, 8)
     for feature in ("softcap", "sinks"):
@@ -399,7 +399,7 @@ def test_flex_features_forward_and_backward_cuda(softcap, use_sinks):
     for backend in ("dense", "flex"):
         grads, outs = [torch.zeros_like(t) for t in leaves], []
         for rank in range(2):
-            step = CPStep.for_rank(layout, rank, None, device, backend, "allgather")
+            step = build_step(layout, rank, None, device, backend, "allgather")
             mine = layout.slot_positions[rank].to(device)
             lv = [t.detach().clone().requires_grad_() for t in leaves]
             features = AttentionFeatures(softcap, lv[3] if use_sinks else None)

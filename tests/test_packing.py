@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.packing import PackingStats, first_fit_decreasing
+from hf_blockdiag_cp.data.packing import PackingStats, first_fit_decreasing
 
 
 @st.composite

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.exchange_plan import needed_rank_plan, plan_exchange
-from hf_blockdiag_cp.layout import plan_layout, plan_rank, validate_rank_plan
-from hf_blockdiag_cp.state import CPStep, DevicePlan
+from hf_blockdiag_cp.planning import needed_rank_plan, plan_exchange
+from hf_blockdiag_cp.planning import plan_layout, plan_rank, validate_rank_plan
+from hf_blockdiag_cp.step import CPStep, DevicePlan, build_step
 from packs import make_pack
 from test_exchange_plan import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
 
@@ -42,7 +42,7 @@ def test_every_planned_rank_plan_passes(runs, cp_size, kind, window):
 def test_cp_step_builds_validated_plans(strategy, exchange):
     layout = plan_layout([5, 40, 3, 9, 1, 22], 4, strategy)
     for rank in range(4):
-        step = CPStep.for_rank(layout, rank, None, CPU, "dense", exchange)
+        step = build_step(layout, rank, None, CPU, "dense", exchange)
         assert step.plan.cu_seqlens_q.dtype == torch.int32 and step.plan.cu_seqlens_q.device == CPU
 
 
@@ -145,11 +145,11 @@ def test_cuda_offsets_are_refused_on_the_host():
 
 def test_cp_step_refuses_a_bad_plan(monkeypatch):
     layout, plan = _plan()
-    import hf_blockdiag_cp.state as state
+    import hf_blockdiag_cp.step.build as build
 
-    monkeypatch.setattr(state, "plan_rank", lambda layout, rank: _corrupt(plan, max_seqlen_k=plan.max_seqlen_k + 1))
+    monkeypatch.setattr(build, "plan_rank", lambda layout, rank: _corrupt(plan, max_seqlen_k=plan.max_seqlen_k + 1))
     with pytest.raises(ValueError, match="max_seqlen_k"):
-        CPStep.for_rank(layout, 1, None, CPU, "dense", "allgather")
+        build_step(layout, 1, None, CPU, "dense", "allgather")
 
 
 def test_device_plan_checks_the_moved_offsets():
@@ -165,21 +165,21 @@ def test_device_plan_checks_the_moved_offsets():
 
 
 def bad_plan_case(rank, world_size, group, failing_rank):
-    import hf_blockdiag_cp.state as state
+    import hf_blockdiag_cp.step.build as build
 
-    original = state.plan_rank
+    original = build.plan_rank
 
     def corrupted(layout, r):
         plan = original(layout, r)
         return dataclasses.replace(plan, max_seqlen_k=plan.max_seqlen_k + 1) if rank == failing_rank else plan
 
-    state.plan_rank = corrupted
+    build.plan_rank = corrupted
     bdcp.configure_cp_varlen("dense", "allgather")
     try:
         _, batch = make_pack("span_all", world_size)
         bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
     finally:
-        state.plan_rank = original
+        build.plan_rank = original
         bdcp.configure_cp_varlen()
     return "finished"
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.step import STEP_KWARG
 from packs import make_pack
 from reference import compare_with_reference, make_docs
 
@@ -122,7 +123,7 @@ class HybridToy(nn.Module):
         x = x + self.recurrence(x)
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        step = {bdcp.state.STEP_KWARG: kwargs[bdcp.state.STEP_KWARG]} if bdcp.state.STEP_KWARG in kwargs else {}
+        step = {STEP_KWARG: kwargs[STEP_KWARG]} if STEP_KWARG in kwargs else {}
         attn = bdcp.cp_blockdiag_sdpa(q, k, v, is_causal=True, **step)
         x = x + attn.transpose(1, 2).reshape(b, s, d)
         logits = self.head(x)
@@ -152,7 +153,7 @@ def recurrent_case(rank, world_size, group, layout):
     docs, batch = make_pack(layout, world_size)
     ref_loss, ref_grads = _reference(ref, docs)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
-    local = {k: v for k, v in local.items() if k in ("input_ids", "shift_labels", "num_items_in_batch", bdcp.state.STEP_KWARG)}
+    local = {k: v for k, v in local.items() if k in ("input_ids", "shift_labels", "num_items_in_batch", STEP_KWARG)}
     with train_ctx():
         _, loss = model(**local)
         loss.backward()

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_blockdiag_cp import corpus
+from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.accelerate import requested_cpu_processes
 
 ROOT = Path(__file__).resolve().parents[1]

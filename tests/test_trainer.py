@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
 import hf_blockdiag_cp as bdcp  # noqa: F401 - registers "blockdiag_cp"
-from hf_blockdiag_cp.collator import BlockdiagCPCollator
+from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, BlockdiagCPTrainer, TokenMeter
 from reference import VOCAB, tiny_config

@@ -12,10 +12,10 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from ..kernels.flex import _compiled_flex
-from ..runtime import blockdiag_attention
-from ..state import STEP_KWARG
+from ..attention import blockdiag_attention
+from ..step import STEP_KWARG
 from .common import (
     attention_flops,
     document_ids_for,
@@ -31,10 +31,8 @@ from .common import (
 
 
 def _step_for(doc_ids: torch.Tensor, backend: str, device):
-    configure_cp_varlen(backend, "allgather")
     batch = {"input_ids": torch.zeros(1, doc_ids.numel(), dtype=torch.long, device=device), "document_ids": doc_ids[None].to(device)}
-    _, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
-    configure_cp_varlen()
+    _, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=CPConfig(backend, "allgather"))
     return local[STEP_KWARG]
 
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .. import configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, write_json
 
 CONFIG_1B = dict(
@@ -51,8 +51,7 @@ def step_fn(model, method: str, batch: dict):
         backend = method.split("/")[1]
 
         def run():
-            configure_cp_varlen(backend, "allgather")
-            ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+            ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=CPConfig(backend, "allgather"))
             with ctx():
                 model(**local).loss.backward()
             model.zero_grad(set_to_none=True)

@@ -13,9 +13,9 @@ import argparse
 
 import torch
 
-from ..layout import LAYOUT_STRATEGIES, plan_layout
-from ..runtime import local_attention
-from ..state import CPStep
+from ..planning import layout_strategies, plan_layout
+from ..attention import local_attention
+from ..step import CPStep, build_step
 from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_cuda, write_json
 
 
@@ -40,7 +40,7 @@ def predicted_pairs(step: CPStep) -> int:
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    strategies = [s for s in args.strategies if s in LAYOUT_STRATEGIES]
+    strategies = [s for s in args.strategies if s in layout_strategies()]
     rows = []
     for scenario in args.scenarios:
         lengths = scenario_lengths(scenario, args.seq_len, args.seed)
@@ -55,7 +55,7 @@ def run(args) -> list[dict]:
         q_all, k_all, v_all = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
 
         def rank_time(layout, rank: int):
-            step = CPStep.for_rank(layout, rank, None, device, args.backend, "allgather")
+            step = build_step(layout, rank, None, device, args.backend, "allgather")
             slots = layout.slot_positions.to(device)
             q = q_all[slots[rank]].detach().requires_grad_()
             k = k_all[slots.reshape(-1)].detach().requires_grad_()

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data import dp_cp_coordinates
+from ..data.loader import dp_cp_coordinates
 
 _TRUE = ("1", "true", "yes", "on")
 _MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")

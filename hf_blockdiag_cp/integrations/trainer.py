@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
-from ..batch import SHARD_KEY, IGNORE_INDEX, make_cp_blockdiag_batch_and_ctx, shard_batch
-from ..collator import BlockdiagCPCollator
-from ..consensus import agree, collective_device
-from ..data import dp_cp_coordinates, packed_dataloader
-from ..state import STEP_KWARG
+from ..comm.consensus import agree, collective_device
+from ..data.collator import BlockdiagCPCollator
+from ..data.loader import dp_cp_coordinates, packed_dataloader
+from ..step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
 from .transformers import ATTN_IMPLEMENTATION
 
 __all__ = [
@@ -399,11 +398,12 @@ class BlockdiagCPTrainerMixin:
             drop_last=self.args.dataloader_drop_last,
             length_key=p.length_key,
         )
-        agreement = agree(_world_group(c.world_size), False, [len(loader)])
-        if agreement.disagreeing(["packs per epoch"]):
+        agreement = agree(_world_group(c.world_size), False, {"packs per epoch": len(loader)})
+        if agreement.disagreeing():
+            low, high = agreement.value("packs per epoch")
             raise RuntimeError(
                 f"ranks disagree on the number of packs per epoch (this rank: {len(loader)}; range "
-                f"{agreement.minimum[1]}..{agreement.maximum[1]}): every rank must see the same train_dataset and "
+                f"{low}..{high}): every rank must see the same train_dataset and "
                 "packing options, or the Trainer's steps would hang"
             )
         return loader

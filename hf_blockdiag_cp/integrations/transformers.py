@@ -11,8 +11,8 @@ from __future__ import annotations
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from ..runtime import blockdiag_cp_attention_forward
-from ..state import active_step
+from ..attention.entry import blockdiag_cp_attention_forward
+from ..step.state import active_step
 
 ATTN_IMPLEMENTATION = "blockdiag_cp"
 

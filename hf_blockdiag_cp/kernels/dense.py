@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layout import dense_allowed
-from ..state import CPStep
+from ..planning.rank_plan import dense_allowed
+from .registry import KernelRecord, register_kernel
 
 
 def attention_with_features(
@@ -83,7 +83,7 @@ def dense_attention(
     q,
     k,
     v,
-    step: CPStep,
+    step,
     *,
     scale: float,
     sliding_window: int | None,
@@ -107,3 +107,16 @@ def dense_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
+
+
+register_kernel(
+    KernelRecord(
+        name="dense",
+        aliases=("sdpa",),
+        fn=dense_attention,
+        check=lambda device, dtype, head_dim_k, head_dim_v: None,  # exact anywhere: the reference and the CPU path
+        features=frozenset({"softcap", "sinks"}),
+        auto_priority=100,  # last resort on every device; the only kernel that trains on CPU
+        auto_devices=None,
+    )
+)

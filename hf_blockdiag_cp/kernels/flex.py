@@ -19,7 +19,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from ..state import CPStep
+from .registry import KernelRecord, register_kernel
 
 
 SPARSE_BLOCK = 128  # FlexAttention's default sparse block; the kernel's tiles divide it
@@ -96,7 +96,7 @@ def _ordered(blocks):
     return num[None, None].contiguous(), order[None, None].contiguous()
 
 
-def build_block_mask(step: CPStep, sliding_window: int | None) -> BlockMask:
+def build_block_mask(step, sliding_window: int | None) -> BlockMask:
     plan = step.plan
     lo, hi = query_intervals(plan, sliding_window)
     partial, full = block_classes(lo, hi, plan.row_positions)
@@ -109,7 +109,7 @@ def build_block_mask(step: CPStep, sliding_window: int | None) -> BlockMask:
     )
 
 
-def block_mask(step: CPStep, sliding_window: int | None):
+def block_mask(step, sliding_window: int | None):
     """The step's block mask for this window: built once (by the shard step or the first layer)."""
     return step.cached(("flex", sliding_window), lambda: build_block_mask(step, sliding_window))
 
@@ -127,7 +127,7 @@ def flex_attention_kernel(
     q,
     k,
     v,
-    step: CPStep,
+    step,
     *,
     scale: float,
     sliding_window: int | None,
@@ -156,3 +156,33 @@ def flex_attention_kernel(
         lse = aux.lse.squeeze(0).float()  # [H, L], natural log
         out = out * torch.sigmoid(lse - sinks.float().reshape(-1, 1)).unsqueeze(-1).to(out.dtype)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
+    if device.type not in ("cuda", "cpu"):
+        return f"FlexAttention does not run on {device.type}"
+    if device.type == "cuda" and min(head_dim_k, head_dim_v) < 16:
+        # Inductor's flex lowering refuses smaller head dims at compile time (a LoweringException deep
+        # inside the first step); say so before any kernel is built.
+        return f"compiled FlexAttention needs head dims of at least 16, got {head_dim_k} (key) and {head_dim_v} (value)"
+    return None
+
+
+def _prepare(step) -> None:
+    """Build the step's block mask before the first layer (built on the device, no host sync in attention)."""
+    if step.plan.q_positions.is_cuda:
+        block_mask(step, None)
+
+
+register_kernel(
+    KernelRecord(
+        name="flex",
+        aliases=("flexattention", "flex_attention"),
+        fn=flex_attention_kernel,
+        check=_check,
+        features=frozenset({"softcap", "sinks"}),  # sinks via the returned log-sum-exp
+        takes_all_rows=True,  # constant shapes step to step, so the compiled kernel is reused
+        prepare=_prepare,
+        auto_priority=20,  # FlexAttention has no CPU backward: auto never picks it on CPU
+    )
+)

@@ -1,4 +1,5 @@
-"""Transformer Engine kernel (`transformer_engine.pytorch.DotProductAttention`). Experimental: not verified on a GPU.
+"""Transformer Engine kernel (`transformer_engine.pytorch.DotProductAttention`). Experimental: not verified on a GPU,
+so `auto` never picks it; it engages only when asked for and its package imports.
 
 The same varlen segments as the torch varlen kernel, in TE's packed `thd` layout with
 `attn_mask_type="padding_causal_bottom_right"`: causality is aligned to the bottom-right of
@@ -14,7 +15,7 @@ import inspect
 
 import torch
 
-from ..state import CPStep
+from .registry import HALF, KernelRecord, register_kernel
 
 
 @functools.cache
@@ -52,7 +53,7 @@ def _forward_accepts_window() -> bool:
     return te is not None and "window_size" in inspect.signature(te.DotProductAttention.forward).parameters
 
 
-def te_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_window: int | None) -> torch.Tensor:
+def te_attention_kernel(q, k, v, step, *, scale: float, sliding_window: int | None) -> torch.Tensor:
     """q [L,H,D], k [K,Hkv,D], v [K,Hkv,D] -> [L,H,D]."""
     if _te_module() is None:
         raise ValueError("attn_backend='te' needs Transformer Engine (transformer_engine.pytorch), which does not import here")
@@ -77,3 +78,26 @@ def te_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_window: 
         **extra,
     )
     return out.view(q.shape[0], q.shape[1], v.shape[2])
+
+
+def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
+    package = "Transformer Engine (transformer_engine.pytorch)"
+    if not available():
+        return f"{package} does not import in this environment (not installed, or a build without CUDA)"
+    if device.type != "cuda":
+        return f"{package} needs a CUDA device"
+    if dtype not in HALF:
+        return f"{package} needs float16 or bfloat16, got {dtype}"
+    if head_dim_k != head_dim_v:
+        return f"{package} needs equal key and value head dims here, got {head_dim_k} and {head_dim_v}"
+    return None
+
+
+register_kernel(
+    KernelRecord(
+        name="te",
+        aliases=("transformer_engine", "transformerengine"),
+        fn=te_attention_kernel,
+        check=_check,
+    )
+)

@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from ..state import CPStep
+from .registry import HALF, KernelRecord, register_kernel
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -27,11 +27,7 @@ def _accepts_enable_gqa() -> bool:
     return varlen_attn is not None and "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
-def available() -> bool:
-    return varlen_attn is not None
-
-
-def varlen_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_window: int | None) -> torch.Tensor:
+def varlen_attention_kernel(q, k, v, step, *, scale: float, sliding_window: int | None) -> torch.Tensor:
     """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
     plan = step.plan
     left = -1 if sliding_window is None else sliding_window - 1
@@ -48,3 +44,26 @@ def varlen_attention_kernel(q, k, v, step: CPStep, *, scale: float, sliding_wind
         window_size=(left, 0),
         **extra,
     )
+
+
+def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
+    if varlen_attn is None:
+        return "torch.nn.attention.varlen is not available in this torch build"
+    if device.type != "cuda":
+        return "varlen_attn needs a CUDA device"
+    if dtype not in HALF:
+        return f"varlen_attn needs float16 or bfloat16, got {dtype}"
+    if head_dim_k != head_dim_v:
+        return f"varlen_attn needs equal key and value head dims, got {head_dim_k} and {head_dim_v}"
+    return None
+
+
+register_kernel(
+    KernelRecord(
+        name="varlen",
+        aliases=("torch_varlen", "varlen_attn"),
+        fn=varlen_attention_kernel,
+        check=_check,
+        auto_priority=10,  # fastest measured on the H200 (docs/performance.md)
+    )
+)

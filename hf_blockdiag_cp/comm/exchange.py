@@ -17,27 +17,19 @@ Every buffer handed to a collective is allocated contiguous here: gloo writes co
 bytes into receive buffers whatever their strides, which silently corrupts gradients when
 a buffer inherits odd strides from an incoming gradient.
 
-Failures (I5). A collective that raises marks the group failed on this rank (NCCL: its
-communicator is aborted) and re-raises with a note (`fail_group`). A failed group refuses
-later steps at once (`check_group_usable`) instead of entering collectives its peers will
-never match.
-How the *peers* of a failing rank get out: the failing rank's exception ends its process,
-which closes its gloo sockets (peers raise "Connection closed by peer" in their pending
-collective) or, under NCCL, makes torchrun stop the other workers; independently, every
-pending collective ends with an error after the process group's `timeout` (NCCL's watchdog
-with TORCH_NCCL_ASYNC_ERROR_HANDLING, gloo's per-operation timeout).
+Failures: every collective runs through `failure.guarded` (see there).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from .exchange_plan import RankRoutes
+from ..planning.exchange_plan import RankRoutes
+from .failure import guarded
 
 
 # --------------------------------------------------------------------------- collectives (looked up per call)
@@ -77,64 +69,6 @@ def _p2p_transport(recv, recv_counts, send, send_counts, group) -> None:
 
 
 _TRANSPORTS: dict[str, Callable] = {"halo": _p2p_transport, "a2a": _a2a_transport}
-
-
-# --------------------------------------------------------------------------- failure handling
-
-
-_FAILED_GROUPS: dict[str, str] = {}
-
-
-def _group_key(group) -> str | None:
-    if group is None:
-        return None
-    return getattr(group, "group_name", None) or str(id(group))
-
-
-def fail_group(group, reason: str) -> None:
-    """Mark `group` unusable on this rank after a failure inside a CP step (NCCL: abort its communicator)."""
-    key = _group_key(group)
-    if key is None or key in _FAILED_GROUPS:
-        return
-    _FAILED_GROUPS[key] = reason
-    try:
-        if "nccl" in str(dist.get_backend(group)).lower():
-            group.abort()  # in-flight and later NCCL work on this rank fails instead of hanging at exit
-    except Exception:  # noqa: BLE001 - best effort: the original error is what the user must see
-        pass
-
-
-def check_group_usable(group) -> None:
-    """Raise if an earlier step failed on `group` (its ranks are no longer in lock step)."""
-    key = _group_key(group)
-    if key is not None and key in _FAILED_GROUPS:
-        raise RuntimeError(
-            f"blockdiag_cp: the CP process group {key!r} failed in an earlier step ({_FAILED_GROUPS[key]}); its ranks "
-            "are no longer in lock step. Restart the job (or destroy and re-create the process group)"
-        )
-
-
-def _guarded(what: str, group, fn, *args) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        fail_group(group, f"{what} failed")
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                f"blockdiag_cp: the K/V {what} failed; a peer rank of the CP group has probably raised or exited "
-                "(see the other ranks' errors)"
-            )
-        raise
-
-
-def group_spans_nodes(group) -> bool:
-    """Whether the group's ranks sit on several nodes, from the launcher's LOCAL_WORLD_SIZE (torchrun,
-    accelerate). Without it every rank is assumed on one node."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if group is None or not local or not local.isdigit() or int(local) < 1:
-        return False
-    per_node = int(local)
-    return len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1
 
 
 # --------------------------------------------------------------------------- accounting
@@ -194,7 +128,7 @@ class _AllGatherKV(torch.autograd.Function):
         ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
         send = _pack_rows(k, v)
         recv = send.new_empty((world_size * send.shape[0], send.shape[1]))
-        _guarded("all-gather", group, _all_gather_single, recv, send, group)
+        guarded("all-gather", group, _all_gather_single, recv, send, group)
         if meter is not None:
             meter.forward_bytes += (world_size - 1) * send.shape[0] * _row_bytes(send)
             meter.calls += 1
@@ -208,7 +142,7 @@ class _AllGatherKV(torch.autograd.Function):
         grad_k, grad_v = _grads_or_zeros(grad_k, grad_v, rows, ctx.k_shape, ctx.v_shape)
         send = _pack_rows(grad_k, grad_v)
         recv = send.new_empty((ctx.k_shape[0], send.shape[1]))
-        _guarded("reduce-scatter", ctx.group, _reduce_scatter_single, recv, send, ctx.group)
+        guarded("reduce-scatter", ctx.group, _reduce_scatter_single, recv, send, ctx.group)
         if ctx.meter is not None:
             ctx.meter.backward_bytes += (ctx.world_size - 1) * recv.shape[0] * _row_bytes(recv)
         gk, gv = _unpack_rows(recv, ctx.k_shape, ctx.v_shape)
@@ -240,7 +174,7 @@ class _NeededKV(torch.autograd.Function):
         if routes.any_traffic:
             send = packed.index_select(0, routes.send_rows).contiguous()
             recv = packed.new_empty((sum(routes.recv_counts), packed.shape[1]))
-            _guarded(f"{kind} exchange", group, _TRANSPORTS[kind], recv, routes.recv_counts, send, routes.send_counts, group)
+            guarded(f"{kind} exchange", group, _TRANSPORTS[kind], recv, routes.recv_counts, send, routes.send_counts, group)
             out.index_copy_(0, routes.recv_out, recv)
             if meter is not None:
                 meter.forward_bytes += recv.shape[0] * _row_bytes(recv)
@@ -258,7 +192,7 @@ class _NeededKV(torch.autograd.Function):
         if routes.any_traffic:
             send_back = g.index_select(0, routes.recv_out).contiguous()
             back = g.new_empty((sum(routes.send_counts), g.shape[1]))
-            _guarded(
+            guarded(
                 f"{ctx.kind} exchange backward", ctx.group, _TRANSPORTS[ctx.kind],
                 back, routes.send_counts, send_back, routes.recv_counts, ctx.group,
             )

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .exchange import exchange_kv
-from .kernels.dense import attention_with_features
-from .kernels import KERNELS, ROW_KERNELS, choose_kernel
-from .state import STEP_KWARG, CPStep, active_step
+from ..comm.exchange import exchange_kv
+from ..kernels import choose_kernel
+from ..kernels.dense import attention_with_features
+from ..step.state import STEP_KWARG, CPStep, active_step
+from .model_check import check_model_support
 
 # Keyword arguments a model may send that change the attention function and that no kernel
 # implements; accepting them silently would train a wrong model (I7).
@@ -132,17 +133,17 @@ def local_attention(
     head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
     # The kernel is chosen per layer kind: a softcapped or sink layer may need another kernel.
     names = features.names
-    kernel_name = step.cached(
+    kernel = step.cached(
         ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names),
         lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names),
     )
-    if kernel_name in ROW_KERNELS:
+    if kernel.takes_all_rows:
         k, v = exchanged_k, exchanged_v
     else:
         k, v = needed_keys(step.plan, exchanged_k, exchanged_v)
     if scale is None:
         scale = head_dim_k**-0.5
-    return KERNELS[kernel_name](q, k, v, step, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
+    return kernel.fn(q, k, v, step, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
 
 
 def blockdiag_cp_attention_forward(
@@ -172,13 +173,6 @@ def blockdiag_cp_attention_forward(
         step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"), features=features
     )
     return out, None
-
-
-def check_model_support(step: CPStep, module: torch.nn.Module) -> None:
-    """Raise (once per step and module class) if this model type bypasses the interface or lacks its patch."""
-    from model_patches import check_attention_module  # lazy: model_patches imports this package
-
-    step.cached(("model_support", type(module)), lambda: check_attention_module(module) or True)
 
 
 def _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features):

@@ -1,11 +1,13 @@
-"""Per-step state, built once on the host and reused by every layer and by recompute.
+"""The step object: per-step state, built once on the host and reused by every layer and by recompute.
 
 A `CPStep` holds everything attention needs for one packed step on one rank: the group,
-the layout, this rank's plan (on the compute device), the chosen kernel and exchange, and
-caches of masks keyed by sliding window. It reaches attention in two ways (invariant I6):
-as the `blockdiag_cp_step` keyword that every attention call receives (and that activation
-checkpoint recompute replays), and through a process-wide slot that `train_ctx()` sets, for
-code that calls `F.scaled_dot_product_attention` directly.
+the layout, this rank's plan (on the compute device), the configured kernel and the agreed
+exchange, and caches of masks keyed by sliding window. It reaches attention in two ways
+(invariant I6, docs/design.md): as the `blockdiag_cp_step` keyword that every attention call
+receives (and that activation-checkpoint recompute replays), and through a process-wide slot
+that `step.activate()` sets around forward and backward, for code that calls
+`F.scaled_dot_product_attention` directly. The slot is process-wide on purpose: backward and
+recompute may run in another thread, where context variables set around `forward()` are gone.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from typing import Any
 
 import torch
 
-from .exchange import ExchangeMeter
-from .exchange_plan import NEEDED_ONLY, ExchangePlan, RankRoutes, needed_rank_plan, plan_exchange, rank_routes
-from .layout import Layout, RankPlan, plan_rank, validate_rank_plan
+from ..comm.exchange import ExchangeMeter
+from ..planning import ExchangePlan, Layout, RankPlan, RankRoutes
 
 STEP_KWARG = "blockdiag_cp_step"
 
@@ -118,7 +119,7 @@ class CPStep:
     layout: Layout
     rank_plan: RankPlan
     plan: DevicePlan
-    attn_backend: str  # canonical kernel name chosen for this step
+    attn_backend: str  # canonical kernel name (or "auto", resolved per layer) configured for this step
     kv_exchange: str  # canonical exchange name agreed for this step
     model_state: BlockdiagCpModelState
     attention_calls: int = 0
@@ -127,46 +128,24 @@ class CPStep:
     kv_routes: RankRoutes | None = None  # this rank's halo / a2a tables on the device (None for allgather)
     exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
 
-    @staticmethod
-    def for_rank(
-        layout: Layout,
-        rank: int,
-        group,
-        device: torch.device,
-        attn_backend: str,
-        kv_exchange: str,
-        exchange_plan: ExchangePlan | None = None,
-    ) -> "CPStep":
-        """Plan rank `rank`'s attention for this layout and move the plan to `device` (once per step)."""
-        routes = None
-        if kv_exchange in NEEDED_ONLY:
-            # The exchange returns the needed keys once each, in pack order; the plan's key_rows index them.
-            exchange_plan = exchange_plan if exchange_plan is not None else plan_exchange(layout)
-            rank_plan = needed_rank_plan(layout, exchange_plan, rank)
-            routes = rank_routes(layout, exchange_plan, rank)
-            rows = routes.key_positions  # the exchange's output rows
-            routes = routes.to(device)
-        else:
-            rank_plan = plan_rank(layout, rank)
-            rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
-        # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
-        validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
-        boundaries = layout.segments.boundaries
-        return CPStep(
-            group=group,
-            rank=rank,
-            world_size=layout.cp_size,
-            layout=layout,
-            rank_plan=rank_plan,
-            plan=DevicePlan.from_rank_plan(
-                rank_plan, device, rows, layout.segments.segment_ids[rows], layout.segments.segment_starts[rank_plan.q_positions]
-            ),
-            attn_backend=attn_backend,
-            kv_exchange=kv_exchange,
-            model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
-            exchange_plan=exchange_plan,
-            kv_routes=routes,
-        )
+    @contextlib.contextmanager
+    def activate(self):
+        """Make this the active step for forward AND backward; on a clean exit, raise if no
+        attention call went through `blockdiag_cp` (every layer would have attended only inside
+        its local shard)."""
+        global _ACTIVE_STEP
+        previous = _ACTIVE_STEP
+        _ACTIVE_STEP = self
+        try:
+            yield self
+        finally:
+            _ACTIVE_STEP = previous
+        if self.attention_calls == 0:
+            raise RuntimeError(
+                "blockdiag_cp: no attention call went through 'blockdiag_cp' during this CP step, so every layer "
+                "attended only inside its local shard. Load the model with attn_implementation='blockdiag_cp' "
+                "(import hf_blockdiag_cp first) and run its forward inside train_ctx()"
+            )
 
     @property
     def local_len(self) -> int:
@@ -195,13 +174,4 @@ def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
     return None if step is None else step.model_state
 
 
-@contextlib.contextmanager
-def activate(step: CPStep):
-    """Make `step` the active one for the duration of the block (forward and backward)."""
-    global _ACTIVE_STEP
-    previous = _ACTIVE_STEP
-    _ACTIVE_STEP = step
-    try:
-        yield step
-    finally:
-        _ACTIVE_STEP = previous
+BlockdiagCPModelState = BlockdiagCpModelState  # the spelling of the other CP names; the seed's stays

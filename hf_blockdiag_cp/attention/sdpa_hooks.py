@@ -29,10 +29,10 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from .config import normalize_backend
-from .layout import Layout, plan_layout, validate_document_ids
-from .runtime import blockdiag_attention
-from .state import CPStep
+from ..kernels import canonical_kernel_name
+from ..planning import Layout, plan_layout, validate_document_ids
+from ..step import CPStep, build_step
+from .entry import blockdiag_attention
 
 
 # --------------------------------------------------------------------------- packing state
@@ -54,7 +54,7 @@ class _PackedState:
     def step_for(self, device: torch.device) -> CPStep:
         step = self.steps.get(device)
         if step is None:  # plan moved to the device once, reused by every layer and by recompute
-            step = self.steps[device] = CPStep.for_rank(self.layout, 0, None, device, self.backend, "allgather")
+            step = self.steps[device] = build_step(self.layout, 0, None, device, self.backend, "allgather")
         return step
 
 
@@ -75,7 +75,7 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str = "auto") -> No
         raise ValueError(f"doc_ids must be an integer tensor [S] or [1,S]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
     ids = doc_ids.reshape(-1).long().cpu()
     validate_document_ids(ids, "doc_ids")
-    _STATE = _PackedState(backend=normalize_backend(backend), layout=plan_layout(ids, 1))
+    _STATE = _PackedState(backend=canonical_kernel_name(backend), layout=plan_layout(ids, 1))
 
 
 def disable_cp1_packed_varlen() -> None:

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .batch import IGNORE_INDEX, shard_batch
+from ..step.shard import IGNORE_INDEX, shard_batch
 
 OVERSIZE_POLICIES = ("split", "reject")
 

@@ -21,11 +21,13 @@ gradients of the rows it sent (reverse exchange; all-gather's reduce-scatter rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .layout import Layout, RankPlan, plan_rank
+from .layout import Layout
+from .rank_plan import RankPlan, plan_rank
+from .segments import expand, intersect, interval_size, ranges, run_bounds, run_starts
 
 EXCHANGE_KINDS = ("allgather", "halo", "a2a")
 NEEDED_ONLY = ("halo", "a2a")
@@ -34,32 +36,13 @@ NEEDED_ONLY = ("halo", "a2a")
 # --------------------------------------------------------------------------- intervals
 
 
-def _runs(flags_new: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """First and last index of each run, given a bool tensor that marks run starts."""
-    first = torch.nonzero(flags_new).reshape(-1)
-    last = torch.cat([first[1:], torch.tensor([n])]) - 1
-    return first, last
-
-
-def held_intervals(layout: Layout, rank: int) -> torch.Tensor:
-    """`[n, 2]` maximal runs of consecutive pack positions held by `rank`, as `[start, stop)`."""
-    pos = layout.slot_positions[rank]
-    new = torch.ones_like(pos, dtype=torch.bool)
-    new[1:] = pos[1:] != pos[:-1] + 1
-    first, last = _runs(new, pos.numel())
-    return torch.stack([pos[first], pos[last] + 1], dim=1)
-
-
 def needed_intervals(layout: Layout, rank: int, sliding_window: int | None = None) -> torch.Tensor:
     """`[n, 2]` sorted disjoint `[start, stop)` pack-position intervals of the keys `rank` needs."""
     if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be a positive int or None; got {sliding_window!r}")
     pos = layout.slot_positions[rank]
     seg = layout.segments
-    q_seg = seg.segment_ids[pos]
-    new = torch.ones_like(pos, dtype=torch.bool)
-    new[1:] = (pos[1:] != pos[:-1] + 1) | (q_seg[1:] != q_seg[:-1])
-    first, last = _runs(new, pos.numel())
+    first, last = layout.query_runs(rank)
     a, b = pos[first], pos[last]
     lo = seg.segment_starts[a]
     if sliding_window is not None:
@@ -70,35 +53,8 @@ def needed_intervals(layout: Layout, rank: int, sliding_window: int | None = Non
     # overlapping or touching intervals is one pass.
     merge_new = torch.ones_like(lo, dtype=torch.bool)
     merge_new[1:] = lo[1:] > stop[:-1]
-    g_first, g_last = _runs(merge_new, lo.numel())
+    g_first, g_last = run_bounds(merge_new)
     return torch.stack([lo[g_first], stop[g_last]], dim=1)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`[n, m, 2]` pairwise intersections of interval sets a `[n,2]` and b `[m,2]` (empty ones have start >= stop)."""
-    start = torch.maximum(a[:, None, 0], b[None, :, 0])
-    stop = torch.minimum(a[:, None, 1], b[None, :, 1])
-    return torch.stack([start, stop], dim=-1)
-
-
-def intersect(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sorted `[k, 2]` intersection of two sorted disjoint interval sets."""
-    pairs = _overlap(a, b).reshape(-1, 2)
-    pairs = pairs[pairs[:, 0] < pairs[:, 1]]
-    return pairs[torch.argsort(pairs[:, 0])]
-
-
-def interval_size(intervals: torch.Tensor) -> int:
-    return int((intervals[:, 1] - intervals[:, 0]).sum()) if intervals.numel() else 0
-
-
-def expand(intervals: torch.Tensor) -> torch.Tensor:
-    """All positions of sorted disjoint intervals, in increasing order."""
-    if intervals.numel() == 0:
-        return torch.zeros(0, dtype=torch.long)
-    lengths = intervals[:, 1] - intervals[:, 0]
-    offsets = torch.repeat_interleave(intervals[:, 0] - (torch.cumsum(lengths, 0) - lengths), lengths)
-    return torch.arange(int(lengths.sum())) + offsets
 
 
 # --------------------------------------------------------------------------- the plan
@@ -132,7 +88,6 @@ class ExchangePlan:
     traffic: torch.Tensor  # [G, G] int64 rows, src x dst
     left_neighbours: tuple[frozenset[int], ...]
     halo_valid: bool
-    _slot_of_position: torch.Tensor = field(repr=False)
 
     def num_keys(self, rank: int) -> int:
         """Rows the needed-only exchanges return to `rank` (its own rows included)."""
@@ -178,15 +133,13 @@ def plan_exchange(layout: Layout, sliding_window: int | None = None) -> Exchange
     """The needed-only exchange plan of `layout` (keys clipped to `sliding_window` when given)."""
     g, local_len = layout.cp_size, layout.local_len
     needed = tuple(needed_intervals(layout, r, sliding_window) for r in range(g))
-    held = tuple(held_intervals(layout, r) for r in range(g))
+    held = tuple(layout.held_intervals(r) for r in range(g))
     traffic = torch.zeros(g, g, dtype=torch.long)
     for dst in range(g):
         for src in range(g):
             if src != dst:
                 traffic[src, dst] = interval_size(intersect(needed[dst], held[src]))
-    slot_of_position = torch.empty(layout.padded_seq_len, dtype=torch.long)
-    slot_of_position[layout.slot_positions.reshape(-1)] = torch.arange(layout.padded_seq_len)
-    owner = slot_of_position // local_len
+    owner = layout.slot_of_position // local_len
     left = []
     for r in range(g):
         starts = held[r][:, 0]
@@ -195,7 +148,7 @@ def plan_exchange(layout: Layout, sliding_window: int | None = None) -> Exchange
     halo_valid = all(
         int(traffic[src, dst]) == 0 or src in left[dst] for dst in range(g) for src in range(g) if src != dst
     )
-    return ExchangePlan(g, local_len, sliding_window, needed, held, traffic, tuple(left), halo_valid, slot_of_position)
+    return ExchangePlan(g, local_len, sliding_window, needed, held, traffic, tuple(left), halo_valid)
 
 
 def choose_exchange(requested: str, plan: ExchangePlan, needed_only_allowed: bool = True) -> str:
@@ -261,7 +214,7 @@ class RankRoutes:
 def rank_routes(layout: Layout, plan: ExchangePlan, rank: int) -> RankRoutes:
     """Send / receive / copy tables of `rank` for the needed-only exchanges of `plan`."""
     g, local_len = plan.cp_size, plan.local_len
-    slot = plan._slot_of_position
+    slot = layout.slot_of_position
     key_pos = expand(plan.needed[rank])
     key_slot = slot[key_pos]
     owner = key_slot // local_len
@@ -310,7 +263,7 @@ def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
     lo = torch.searchsorted(rows, begin)
     hi = torch.searchsorted(rows, last_q, right=True)
     k_lens = hi - lo
-    index = torch.arange(int(k_lens.sum())) + torch.repeat_interleave(lo - (torch.cumsum(k_lens, 0) - k_lens), k_lens)
+    index = ranges(lo, k_lens)
     if bool((torch.bincount(index, minlength=rows.numel()) == 0).any()):
         raise AssertionError(f"rank {rank}: the exchange plan fetches keys that no local query run uses")
     identity = index.numel() == rows.numel() and bool((index == torch.arange(rows.numel())).all())

@@ -1,0 +1,29 @@
+"""Data: packing documents into packs (`packing`), the CP-aware sampler and dataloader
+(`loader`), and the collator that pads and shards one pack (`collator`). The demo corpus of
+the examples (`corpus`) is imported only by whoever uses it."""
+
+from .collator import OVERSIZE_POLICIES, BlockdiagCPCollator
+from .loader import (
+    DocumentPiece,
+    PackedBatchSampler,
+    PackedDataLoader,
+    PackedExamples,
+    dataset_lengths,
+    dp_cp_coordinates,
+    packed_dataloader,
+)
+from .packing import PackingStats, first_fit_decreasing
+
+__all__ = [
+    "OVERSIZE_POLICIES",
+    "BlockdiagCPCollator",
+    "DocumentPiece",
+    "PackedBatchSampler",
+    "PackedDataLoader",
+    "PackedExamples",
+    "PackingStats",
+    "dataset_lengths",
+    "dp_cp_coordinates",
+    "first_fit_decreasing",
+    "packed_dataloader",
+]

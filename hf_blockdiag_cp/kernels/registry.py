@@ -1,0 +1,131 @@
+"""One record per local attention kernel, and the choice among them.
+
+Every kernel takes this rank's queries `q [L, H, Dk]` and the keys/values it needs
+`k [K, Hkv, Dk]`, `v [K, Hkv, Dv]` (in the step plan's key order; every row the exchange
+returns for kernels with `takes_all_rows`) plus the step object (its `plan` on the device and
+its per-step `cached` slot), and returns `[L, H, Dv]`. A kernel module builds its
+`KernelRecord` and registers it; nothing else names the kernel. `auto` is the records'
+preference order (`auto_priority`, lowest first) among those that can run a layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+# Attention features beyond block-causal softmax that a layer may ask for (see attention.entry).
+FEATURES = ("softcap", "sinks")
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """A local attention kernel and what it can run.
+
+    `check(device, dtype, head_dim_k, head_dim_v)` returns why the kernel cannot run such a
+    layer (None if it can); `features` are the extras it implements; `prepare(step)`, if
+    any, runs once per step on the host after the step is built (e.g. the flex block mask),
+    so no attention layer builds per-step state. `auto_priority` orders `auto` (lower first;
+    None: never chosen by `auto`), on the device types in `auto_devices` (None: any).
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    check: Callable[[torch.device, torch.dtype, int, int], str | None]
+    aliases: tuple[str, ...] = ()
+    features: frozenset[str] = frozenset()
+    takes_all_rows: bool = False
+    prepare: Callable[[object], None] | None = field(default=None, compare=False)
+    auto_priority: int | None = None
+    auto_devices: frozenset[str] | None = frozenset({"cuda"})  # None: any device
+
+    def unsupported_reason(
+        self, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+    ) -> str | None:
+        """Why this kernel cannot run a layer with these shapes and `features`, or None if it can."""
+        unknown = sorted(set(features) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"unknown attention features {unknown}; known: {', '.join(FEATURES)}")
+        missing = sorted(set(features) - self.features)
+        if missing:
+            return f"the {self.name} kernel does not implement {' and '.join(missing)}, which this attention layer uses"
+        return self.check(device, dtype, head_dim_k, head_dim_v)
+
+
+_RECORDS: dict[str, KernelRecord] = {}
+_SPELLINGS: dict[str, str] = {"auto": "auto"}
+
+
+def _key(spelling: str) -> str:
+    return spelling.strip().lower().replace("-", "_")
+
+
+def register_kernel(record: KernelRecord) -> KernelRecord:
+    """Add (or replace) a kernel record; its name and aliases become accepted `attn_backend` spellings."""
+    _RECORDS[record.name] = record
+    for spelling in (record.name, *record.aliases):
+        _SPELLINGS[_key(spelling)] = record.name
+    return record
+
+
+def kernel_names() -> tuple[str, ...]:
+    return tuple(_RECORDS)
+
+
+def get_kernel(name: str) -> KernelRecord:
+    try:
+        return _RECORDS[name]
+    except KeyError:
+        raise ValueError(f"attn_backend={name!r} is not available in this installation (available: {', '.join(_RECORDS)})") from None
+
+
+def canonical_kernel_name(spelling: str) -> str:
+    """The canonical name (or "auto") for any accepted spelling of `attn_backend` (case and '-'/'_' insensitive)."""
+    if not isinstance(spelling, str):
+        raise TypeError(f"attn_backend must be a string, one of auto, {', '.join(_RECORDS)}; got {type(spelling).__name__}")
+    name = _SPELLINGS.get(_key(spelling))
+    if name is None:
+        raise ValueError(
+            f"attn_backend={spelling!r} is not supported; accepted values: auto, {', '.join(_RECORDS)} "
+            f"(synonyms: {', '.join(sorted(_SPELLINGS))}; case and '-'/'_' insensitive)"
+        )
+    return name
+
+
+def unsupported_reason(
+    name: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+) -> str | None:
+    """Why kernel `name` cannot run this attention call (with these `features`), or None if it can."""
+    if name not in _RECORDS:
+        return f"attn_backend={name!r} is not available in this installation (available: {', '.join(_RECORDS)})"
+    return _RECORDS[name].unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+
+
+def auto_order(device: torch.device) -> list[KernelRecord]:
+    """The records `auto` tries on `device`, most preferred first."""
+    ranked = [
+        r for r in _RECORDS.values()
+        if r.auto_priority is not None and (r.auto_devices is None or device.type in r.auto_devices)
+    ]
+    return sorted(ranked, key=lambda r: r.auto_priority)
+
+
+def choose_kernel(
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+) -> KernelRecord:
+    """Resolve `auto` to a kernel for one layer's call, or check an explicit choice; raise a clear error if it cannot run."""
+    if requested != "auto":
+        record = get_kernel(requested)
+        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+        if reason is not None:
+            raise ValueError(f"attn_backend={requested!r} cannot run here: {reason}")
+        return record
+    reasons = []
+    for record in auto_order(device):
+        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+        if reason is None:
+            return record
+        reasons.append(f"{record.name}: {reason}")
+    raise ValueError(f"attn_backend='auto' found no kernel for this layer on {device}: {'; '.join(reasons)}")

@@ -1,0 +1,69 @@
+"""Pure planning: document ids -> segments -> layout -> rank plans -> exchange plans -> cost.
+
+No torch.distributed and no kernels: every function works on CPU integer tensors, so it is
+tested exhaustively against dense masks and reused by the benchmarks. Modules, bottom up:
+`segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
+strategies, registered by name), `balance` (the "balanced" strategy), `rank_plan` (one
+rank's queries, keys and varlen offsets), `exchange_plan` (needed keys and traffic),
+`cost` (work and bytes per rank).
+"""
+
+from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
+from .cost import LayoutCost, layout_cost, rank_work, split_documents
+from .exchange_plan import (
+    EXCHANGE_KINDS,
+    NEEDED_ONLY,
+    ExchangeBytes,
+    ExchangePlan,
+    RankRoutes,
+    choose_exchange,
+    kv_row_bytes,
+    needed_intervals,
+    needed_rank_plan,
+    plan_exchange,
+    rank_routes,
+)
+from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
+from .rank_plan import RankPlan, dense_allowed, plan_rank, validate_rank_plan
+from .segments import (
+    Segments,
+    document_ids_from_cu_seqlens,
+    document_ids_from_lengths,
+    document_ids_from_position_ids,
+    padded_length,
+    positions_from_document_ids,
+    validate_document_ids,
+)
+
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "EXCHANGE_KINDS",
+    "NEEDED_ONLY",
+    "ExchangeBytes",
+    "ExchangePlan",
+    "Layout",
+    "LayoutCost",
+    "RankPlan",
+    "RankRoutes",
+    "Segments",
+    "choose_exchange",
+    "dense_allowed",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_lengths",
+    "document_ids_from_position_ids",
+    "kv_row_bytes",
+    "layout_cost",
+    "layout_strategies",
+    "needed_intervals",
+    "needed_rank_plan",
+    "padded_length",
+    "plan_exchange",
+    "plan_layout",
+    "plan_rank",
+    "positions_from_document_ids",
+    "rank_routes",
+    "rank_work",
+    "register_layout_strategy",
+    "split_documents",
+    "validate_document_ids",
+]

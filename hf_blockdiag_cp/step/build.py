@@ -1,0 +1,194 @@
+"""Building the step: one function from planning's outputs to the step object, and the shard
+step that every CP rank calls (`make_cp_blockdiag_batch_and_ctx`).
+
+    full pack --shard_batch--> local batch + layout + fingerprint      (pure, step.shard)
+      --choose the exchange--> build_step: rank plan, routes, device plan --> CPStep
+      --agree (one all-reduce: errors, fingerprint, exchange)--> kernel.prepare(step)
+      --> (step.activate, local batch, layout)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..comm import agree, check_group_usable, group_spans_nodes, resolve_cp_group
+from ..config import CPConfig, default_config
+from ..kernels import get_kernel
+from ..planning import (
+    EXCHANGE_KINDS,
+    NEEDED_ONLY,
+    ExchangePlan,
+    Layout,
+    choose_exchange,
+    needed_rank_plan,
+    plan_exchange,
+    plan_rank,
+    rank_routes,
+    validate_rank_plan,
+)
+from .shard import SHARD_KEY, PackFingerprint, shard_batch
+from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan
+
+
+def build_step(
+    layout: Layout,
+    rank: int,
+    group,
+    device: torch.device,
+    attn_backend: str,
+    kv_exchange: str,
+    exchange_plan: ExchangePlan | None = None,
+) -> CPStep:
+    """The step object of rank `rank` for `layout`: its attention plan (validated on the host,
+    then moved to `device` once), and for the needed-only exchanges its routes.
+
+    `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the exchange this step
+    runs (`allgather`, `halo` or `a2a`, as agreed by the group). Pure but for the device copies.
+    """
+    routes = None
+    if kv_exchange in NEEDED_ONLY:
+        # The exchange returns the needed keys once each, in pack order; the plan's key_rows index them.
+        exchange_plan = exchange_plan if exchange_plan is not None else plan_exchange(layout)
+        rank_plan = needed_rank_plan(layout, exchange_plan, rank)
+        routes = rank_routes(layout, exchange_plan, rank)
+        rows = routes.key_positions  # the exchange's output rows
+        routes = routes.to(device)
+    elif kv_exchange == "allgather":
+        rank_plan = plan_rank(layout, rank)
+        rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
+    else:
+        raise ValueError(f"kv_exchange must be one of {', '.join(EXCHANGE_KINDS)} when a step is built; got {kv_exchange!r}")
+    # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
+    validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
+    boundaries = layout.segments.boundaries
+    return CPStep(
+        group=group,
+        rank=rank,
+        world_size=layout.cp_size,
+        layout=layout,
+        rank_plan=rank_plan,
+        plan=DevicePlan.from_rank_plan(
+            rank_plan, device, rows, layout.segments.segment_ids[rows], layout.segments.segment_starts[rank_plan.q_positions]
+        ),
+        attn_backend=attn_backend,
+        kv_exchange=kv_exchange,
+        model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
+        exchange_plan=exchange_plan,
+        kv_routes=routes,
+    )
+
+
+@dataclass(frozen=True)
+class StepAgreement:
+    """What the ranks of one CP group compare before the first collective of a step (I5)."""
+
+    pack: PackFingerprint
+    kv_exchange: int  # index in EXCHANGE_KINDS
+
+    def values(self) -> dict[str, int]:
+        fields = {f"pack {name.replace('_', ' ')}": value for name, value in vars(self.pack).items()}
+        return {**fields, "kv exchange": self.kv_exchange}
+
+
+def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary, strategy) -> dict:
+    """This rank's local batch: the pure shard step, or a batch a collator already sharded for this rank."""
+    if SHARD_KEY not in batch:
+        return shard_batch(
+            batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy or config.layout,
+            config.balance_tolerance,
+        )
+    info = batch[SHARD_KEY]
+    if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
+        raise ValueError(
+            f"batch was sharded for CP rank {info.cp_rank} of {info.cp_size}, but this process is rank "
+            f"{cp.rank} of {cp.size} in cp_mesh"
+        )
+    if strategy is not None and info.layout.strategy != strategy:
+        raise ValueError(
+            f"strategy={strategy!r}, but the batch was already sharded with strategy={info.layout.strategy!r}; "
+            "pass the strategy to the collator / shard_batch instead"
+        )
+    return dict(batch)
+
+
+def make_cp_blockdiag_batch_and_ctx(
+    cp_mesh,
+    tp_mesh,
+    batch: dict,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    shard_primary: bool = True,
+    strategy: str | None = None,
+    *,
+    config: CPConfig | None = None,
+) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
+    """Shard one packed batch for this CP rank and build the step's attention state.
+
+    Every rank of the CP group calls this with the same full pack (or with the output of
+    `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
+    `model(**local_batch)` and its backward inside `with train_ctx():` (`train_ctx` is the
+    step object's `activate`). `config` (default: the process default, `configure_cp`) picks
+    kernel, exchange and layout; `strategy` overrides the layout, and a pre-sharded batch
+    keeps its own layout (an explicit `strategy` that differs from it raises). `tp_mesh` is
+    accepted and unused: tensor parallelism splits heads, which block-diagonal CP leaves
+    alone, so a TP group needs nothing from this step.
+
+    Errors on any rank (bad input, different packs on the ranks of one group, different
+    exchange choices) make every rank raise after one consensus all-reduce, never a hang.
+    """
+    del tp_mesh
+    config = default_config() if config is None else config
+    if not isinstance(config, CPConfig):
+        raise TypeError(f"config must be a CPConfig or None; got {type(config).__name__}")
+    cp = resolve_cp_group(cp_mesh)
+    check_group_usable(cp.group)
+    error: BaseException | None = None
+    local = step = None
+    agreement_values: dict[str, int] = {}
+    try:
+        local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary, strategy)
+        info = local[SHARD_KEY]
+        exchange, exchange_plan = "allgather", None
+        if config.kv_exchange != "allgather":
+            exchange_plan = plan_exchange(info.layout)
+            needed_only_ok = config.allow_cross_node_a2a or not group_spans_nodes(cp.group)
+            exchange = choose_exchange(config.kv_exchange, exchange_plan, needed_only_ok)
+        # The exchange is agreed too: ranks that would run different collectives raise (I5).
+        agreement_values = StepAgreement(info.fingerprint, EXCHANGE_KINDS.index(exchange)).values()
+        # Built (and its plan validated) before the consensus: a bad plan on one rank makes every
+        # rank raise below instead of leaving peers in the first exchange (I5).
+        step = build_step(
+            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan
+        )
+    except (ValueError, TypeError, AssertionError) as exc:
+        error = exc
+    if not agreement_values:  # this rank failed before it had a fingerprint: zeros, flagged as failed
+        agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0).values()
+    agreement = agree(cp.group, error is not None, agreement_values)
+    if error is not None:
+        raise error
+    if agreement.any_failed:
+        raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
+    differing = agreement.disagreeing()
+    if differing == ["kv exchange"]:
+        raise RuntimeError(
+            "blockdiag_cp: the ranks of one CP group chose different kv_exchange paths for the same pack; pass the "
+            "same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
+        )
+    if differing:
+        raise RuntimeError(
+            "blockdiag_cp: the ranks of one CP group received different packs (they differ in "
+            f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
+            "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
+        )
+    layout = local.pop(SHARD_KEY).layout
+    if step.attn_backend != "auto":
+        prepare = get_kernel(step.attn_backend).prepare
+        if prepare is not None:
+            prepare(step)  # per-step kernel state (e.g. the flex block mask) before the first layer (I4)
+    local[STEP_KWARG] = step
+    return step.activate, local, layout

@@ -1,0 +1,226 @@
+"""The pure shard step: one packed batch in, one rank's local batch out (no process group).
+
+It derives document boundaries, pads to a multiple of 2·G, pre-shifts labels on the *global*
+pack (so no target crosses a document boundary or a shard boundary), plans the layout and
+slices every sequence-aligned tensor to the rank's rows. The result carries a `ShardInfo`
+(the layout and a `PackFingerprint`), so it can run in DataLoader workers and be handed to
+`make_cp_blockdiag_batch_and_ctx` as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..comm.consensus import checksum
+from ..planning import (
+    DEFAULT_TOLERANCE,
+    Layout,
+    document_ids_from_cu_seqlens,
+    document_ids_from_position_ids,
+    plan_layout,
+    positions_from_document_ids,
+    validate_document_ids,
+)
+from ..planning.segments import validate_padding_at_end
+
+IGNORE_INDEX = -100
+
+# Keys that only describe the full pack's attention; they must not reach the model on a shard.
+_DROPPED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+# Per-token side streams [1, S]: padded like the primary stream (with 0, "text") and sharded with it.
+_TOKEN_KEYS = ("token_type_ids", "mm_token_type_ids")
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _row(batch: dict, key: str, seq_len: int | None, ndim_ok=(2,)) -> torch.Tensor | None:
+    t = batch.get(key)
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"batch[{key!r}] must be a tensor; got {type(t).__name__}")
+    if t.ndim not in ndim_ok:
+        raise ValueError(f"batch[{key!r}] must have {' or '.join(map(str, ndim_ok))} dims; got shape {tuple(t.shape)}")
+    seq_dim = t.ndim - 1 if key == "position_ids" else 1
+    if seq_len is not None and t.shape[seq_dim] != seq_len:
+        raise ValueError(f"batch[{key!r}] has sequence length {t.shape[seq_dim]}, expected {seq_len} (the primary stream's)")
+    if t.shape[seq_dim - 1] != 1:
+        raise ValueError(f"batch[{key!r}] has batch size {t.shape[seq_dim - 1]}; a CP step takes one packed row")
+    return t
+
+
+def _primary(batch: dict) -> tuple[str, torch.Tensor]:
+    has_ids, has_embeds = batch.get("input_ids") is not None, batch.get("inputs_embeds") is not None
+    if has_ids == has_embeds:
+        raise ValueError("batch must hold exactly one primary stream: input_ids [1,S] or inputs_embeds [1,S,H]; "
+                         f"got {'both' if has_ids else 'neither'}")
+    key = "input_ids" if has_ids else "inputs_embeds"
+    t = batch[key]
+    want = 2 if has_ids else 3
+    if not isinstance(t, torch.Tensor) or t.ndim != want:
+        raise ValueError(f"batch[{key!r}] must be a tensor with {want} dims; got {getattr(t, 'shape', type(t))}")
+    if t.shape[0] != 1:
+        raise ValueError(
+            f"batch[{key!r}] has batch size {t.shape[0]}; a CP step takes one packed row (batch size 1). "
+            "Pack with transformers.DataCollatorWithFlattening or hf_blockdiag_cp's collator"
+        )
+    if t.shape[1] == 0:
+        raise ValueError(f"batch[{key!r}] is empty")
+    return key, t
+
+
+def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
+    """Document ids [S] (1-based, 0 = padding) from document_ids, else position_ids restarts, else cu_seq_lens_q."""
+    doc = _row(batch, "document_ids", seq_len)
+    pos = _row(batch, "position_ids", seq_len, ndim_ok=(2, 3))
+    if doc is not None:
+        ids, source = doc.reshape(-1).long().cpu(), "document_ids"
+    elif pos is not None and pos.ndim == 2:
+        ids, source = document_ids_from_position_ids(pos.reshape(-1).cpu()), "position_ids"
+    elif batch.get("cu_seq_lens_q") is not None:
+        ids, source = document_ids_from_cu_seqlens(batch["cu_seq_lens_q"], seq_len), "cu_seq_lens_q"
+    elif pos is not None:
+        raise ValueError("3-D position_ids (mRoPE) do not mark document boundaries; also pass document_ids [1,S] or cu_seq_lens_q")
+    else:
+        ids, source = torch.ones(seq_len, dtype=torch.long), "input_ids"  # one document
+    mask = _row(batch, "attention_mask", seq_len)
+    if mask is not None:
+        ids = torch.where(mask.reshape(-1).cpu().bool(), ids, torch.zeros_like(ids))
+        source += " and attention_mask"
+    validate_document_ids(ids, source)
+    validate_padding_at_end(ids, source)
+    return ids
+
+
+def shifted_labels(labels: torch.Tensor, padded_ids: torch.Tensor) -> torch.Tensor:
+    """Global pre-shift: position p predicts labels[p+1] only inside one real document."""
+    s = padded_ids.numel()
+    out = torch.full((s,), IGNORE_INDEX, dtype=torch.long)
+    same_doc = (padded_ids[1:] == padded_ids[:-1]) & (padded_ids[1:] > 0)
+    nxt = labels[1:]
+    out[:-1] = torch.where(same_doc, nxt, torch.full_like(nxt, IGNORE_INDEX))
+    return out
+
+
+def _pad_seq(t: torch.Tensor, s_pad: int, value, dim: int) -> torch.Tensor:
+    extra = s_pad - t.shape[dim]
+    if extra == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_full(shape, value)], dim=dim)
+
+
+# --------------------------------------------------------------------------- the shard step
+
+
+SHARD_KEY = "blockdiag_cp_shard"
+
+
+@dataclass(frozen=True)
+class PackFingerprint:
+    """What every rank of a CP group must agree on for one pack (compared by one all-reduce)."""
+
+    padded_length: int
+    sequence_length: int
+    document_ids: int  # checksums
+    input_ids: int  # checksum of input_ids (hidden size for inputs_embeds)
+    label_count: int  # targets of the whole pack
+    layout: int
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a pre-sharded local batch (e.g. from a DataLoader worker) carries about its full pack."""
+
+    layout: Layout
+    fingerprint: PackFingerprint  # same on every rank of the group for the same pack
+    cp_rank: int
+    cp_size: int
+
+
+def shard_batch(
+    batch: dict,
+    cp_size: int,
+    cp_rank: int,
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+    shard_primary: bool = True,
+    strategy: str = "contiguous",
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> dict:
+    """Pure shard step (no process group): the local batch of rank `cp_rank` of `cp_size`.
+
+    `strategy` / `tolerance` pick the layout (`plan_layout`). The result carries a
+    `ShardInfo` under `SHARD_KEY`, so `make_cp_blockdiag_batch_and_ctx` accepts it as is;
+    this is what lets a collator shard inside DataLoader worker processes.
+    """
+    if not isinstance(batch, dict) and not hasattr(batch, "keys"):
+        raise TypeError(f"batch must be a dict of tensors; got {type(batch).__name__}")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}); got {cp_rank}")
+    primary_key, primary = _primary(batch)
+    seq_len = primary.shape[1]
+    device = primary.device
+    ids = document_ids_of(batch, seq_len)
+    labels = _row(batch, "labels", seq_len)
+    if loss_mask is None:
+        loss_mask = batch.get("loss_mask")
+    if loss_mask is not None:
+        loss_mask = _row({"loss_mask": loss_mask}, "loss_mask", seq_len)
+        if labels is None:
+            raise ValueError("loss_mask was given without labels")
+    layout = plan_layout(ids, cp_size, strategy, tolerance=tolerance)
+    s_pad = layout.padded_seq_len
+    padded_ids = layout.document_ids
+    slots = layout.slot_positions[cp_rank]
+    rows = slots.to(device)
+
+    def take(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return t.index_select(dim, rows)
+
+    local: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key in _DROPPED_KEYS or key in ("labels", "loss_mask", "document_ids", "position_ids", primary_key):
+            continue
+        if key in _TOKEN_KEYS and value is not None:
+            padded = _pad_seq(_row(batch, key, seq_len), s_pad, 0, dim=1)
+            local[key] = take(padded, 1) if shard_primary else padded
+            continue
+        local[key] = value  # not sequence-aligned (e.g. pixel_values): passed through unchanged
+
+    pad_value = 0.0 if primary_key == "inputs_embeds" else padding_token_id
+    padded_primary = _pad_seq(primary, s_pad, pad_value, dim=1)
+    local[primary_key] = take(padded_primary, 1) if shard_primary else padded_primary
+
+    pos = _row(batch, "position_ids", seq_len, ndim_ok=(2, 3))
+    if pos is None:
+        pos = positions_from_document_ids(ids).to(device).unsqueeze(0)
+    padded_pos = _pad_seq(pos, s_pad, 0, dim=pos.ndim - 1)
+    local["position_ids"] = take(padded_pos, padded_pos.ndim - 1) if shard_primary else padded_pos
+    local["document_ids"] = padded_ids[slots].unsqueeze(0).to(device)
+
+    global_targets = 0
+    if labels is not None:
+        lab = labels.reshape(-1).long().cpu()
+        if loss_mask is not None:
+            lab = torch.where(loss_mask.reshape(-1).cpu().bool(), lab, torch.full_like(lab, IGNORE_INDEX))
+        shifted = shifted_labels(_pad_seq(lab, s_pad, IGNORE_INDEX, dim=0), padded_ids)
+        global_targets = int((shifted != IGNORE_INDEX).sum())
+        local_shifted = shifted[slots].unsqueeze(0).to(device)
+        local["labels"] = local_shifted
+        local["shift_labels"] = local_shifted
+        local["loss_mask"] = local_shifted != IGNORE_INDEX
+        # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
+        local["num_items_in_batch"] = max(global_targets, 1) / cp_size
+    local["use_cache"] = False
+    primary_sum = checksum(primary) if primary_key == "input_ids" else primary.shape[-1]
+    fingerprint = PackFingerprint(
+        s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets, checksum(layout.slot_positions)
+    )
+    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size)
+    return local
