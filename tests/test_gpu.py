@@ -116,7 +116,7 @@ def sync_free_case(rank, world_size, group, backend):
 
     torch.cuda.set_device(0)
     bdcp.configure_cp_varlen(backend, "allgather")
-    original = bdcp.blockdiag_cp_attention_forward
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward as original
     armed = []
 
     def guarded(*args, **kwargs):
