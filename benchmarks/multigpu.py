@@ -6,7 +6,7 @@
     # CPU smoke run (gloo, tiny sizes):
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/multigpu.py --device cpu --tiny --out DIR
 
-Parts (see benchmarks/README_multigpu.md for what every column means):
+Parts (see docs/multigpu.md for what every column means):
   parity     loss and gradients of a tiny Llama model under CP (every kernel x exchange x layout the device
              has, activation checkpointing) vs the stock eager model run on each document alone; bf16 on CUDA
              (error <= 1.5x the stock bf16 model's, loss <= 1e-2), fp32 on CPU (<= 1e-4).
