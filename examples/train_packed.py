@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -85,6 +86,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.random_init and args.model is None:
         p.error("--random-init needs --model (the default model is already randomly initialised)")
     return args
+
+
+def layout_error(args, world_size: int) -> str | None:
+    """Why `args` cannot run on `world_size` processes (dp x cp), or None. Checked before any
+    worker starts, so a bad value ends the run with this one line instead of a launcher traceback."""
+    cp = args.cp_size or world_size
+    if cp <= 0 or world_size % cp:
+        return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
+    dp = world_size // cp
+    if args.packs_per_step % dp:
+        return f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp} (processes {world_size} / cp {cp})"
+    if args.max_tokens % (2 * cp):
+        return f"--max-tokens={args.max_tokens} must be a multiple of 2*cp={2 * cp}"
+    return None
+
+
+def check_before_launch(args, workers: int) -> None:
+    """Exit with the reason as the last line (status 2) if the arguments cannot run; `workers`: processes
+    about to be started here (0: this process is already one of the run's)."""
+    reason = layout_error(args, workers or int(os.environ.get("WORLD_SIZE", "1")))
+    if reason is not None:
+        sys.stderr.flush()
+        print(f"error: {reason}", file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 # --------------------------------------------------------------------------- model and data
@@ -250,10 +275,9 @@ def train(args) -> dict:
     from tqdm.auto import tqdm
 
     place = init_distributed(args.cp_size)
-    if args.packs_per_step % place.dp_size:
-        raise ValueError(f"--packs-per-step={args.packs_per_step} must be divisible by dp={place.dp_size}")
-    if args.max_tokens % (2 * place.cp_size):
-        raise ValueError(f"--max-tokens={args.max_tokens} must be a multiple of 2*cp={2 * place.cp_size}")
+    reason = layout_error(args, place.world_size)
+    if reason is not None:
+        raise ValueError(reason)
     micro_steps = args.packs_per_step // place.dp_size
     mesh = build_dp_cp_mesh(place)
     cp_mesh = cp_submesh(mesh)
@@ -342,6 +366,7 @@ def train(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     workers = cpu_workers_to_start()  # `accelerate launch --cpu --num_processes N` without MPI starts one process
+    check_before_launch(args, workers)
     if workers:
         relaunch_cpu_workers(workers)  # does not return: this process becomes torchrun with N workers
     try:

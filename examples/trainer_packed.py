@@ -181,8 +181,11 @@ def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from train_packed import check_before_launch  # the main job's argument check; same folder
+
     args = parse_args(argv)
     workers = cpu_workers_to_start()  # `accelerate launch --cpu --num_processes N` without MPI starts one process
+    check_before_launch(args, workers)
     if workers:
         return relaunch_cpu_workers(workers)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

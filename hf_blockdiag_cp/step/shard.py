@@ -9,6 +9,8 @@ slices every sequence-aligned tensor to the rank's rows. The result carries a `S
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from ..planning import (
 from ..planning.segments import validate_padding_at_end
 
 IGNORE_INDEX = -100
+logger = logging.getLogger(__name__)
 
 # Keys that only describe the full pack's attention; they must not reach the model on a shard.
 _DROPPED_KEYS = ("attention_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -73,6 +76,14 @@ def _primary(batch: dict) -> tuple[str, torch.Tensor]:
     return key, t
 
 
+@functools.cache
+def _say_single_document_once() -> None:
+    logger.info(
+        "blockdiag_cp: a row without document_ids, position_ids or cu_seq_lens_q is treated as ONE document; "
+        "a packed row that lost its boundaries looks the same, so pass position_ids or document_ids for packs"
+    )
+
+
 def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
     """Document ids [S] (1-based, 0 = padding) from document_ids, else position_ids restarts, else cu_seq_lens_q."""
     doc = _row(batch, "document_ids", seq_len)
@@ -86,6 +97,7 @@ def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
     elif pos is not None:
         raise ValueError("3-D position_ids (mRoPE) do not mark document boundaries; also pass document_ids [1,S] or cu_seq_lens_q")
     else:
+        _say_single_document_once()
         ids, source = torch.ones(seq_len, dtype=torch.long), "input_ids"  # one document
     mask = _row(batch, "attention_mask", seq_len)
     if mask is not None:

@@ -1,0 +1,72 @@
+"""Malformed packs are refused with a ValueError that names the field, through the pure shard step
+and through the shard step of a real 2-rank gloo group (every rank raises; nothing hangs).
+
+Document ids are 1-based and padding (0) may only follow the last real token, so a 0-based
+pack can never be mistaken for a padded one; the same rule holds whichever field the ids
+come from (`document_ids`, `attention_mask` zeros, `cu_seq_lens_q`)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_blockdiag_cp as bdcp
+
+IDS = torch.arange(1, 9)[None]  # input ids of an 8-token pack
+
+MALFORMED = {
+    "zero-based document ids": ({"document_ids": torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2]])}, "document_ids"),
+    "leading padding": ({"document_ids": torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2]])}, "document_ids"),
+    "interior padding": ({"document_ids": torch.tensor([[1, 1, 1, 0, 0, 2, 2, 2]])}, "document_ids"),
+    "attention_mask hole": (
+        {"position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]), "attention_mask": torch.tensor([[1, 1, 0, 1, 1, 1, 1, 1]])},
+        "position_ids and attention_mask",
+    ),
+    "interleaved documents": ({"document_ids": torch.tensor([[1, 1, 2, 2, 1, 1, 3, 3]])}, "document_ids"),
+}
+
+
+def _batch(extra: dict) -> dict:
+    return {"input_ids": IDS.clone(), "labels": IDS.clone(), **extra}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_shard_batch_refuses(name):
+    extra, field = MALFORMED[name]
+    with pytest.raises(ValueError, match=field):
+        bdcp.shard_batch(_batch(extra), 2, 0)
+    with pytest.raises(ValueError, match=field):
+        bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _batch(extra))
+
+
+def test_padding_at_the_end_is_accepted():
+    local = bdcp.shard_batch(_batch({"document_ids": torch.tensor([[1, 1, 1, 2, 2, 2, 0, 0]])}), 2, 1)
+    assert local["document_ids"].tolist() == [[2, 2, 0, 0]]
+    assert int(local["num_items_in_batch"] * 2) == 4  # 2 + 2 targets inside the two documents, none in padding
+
+
+def test_row_without_boundaries_is_one_document_and_says_so(caplog):
+    from hf_blockdiag_cp.step import shard
+
+    shard._say_single_document_once.cache_clear()  # the message is given once per process
+    with caplog.at_level(logging.INFO, logger="hf_blockdiag_cp.step.shard"):
+        local = bdcp.shard_batch(_batch({}), 1, 0)
+    assert local["document_ids"].tolist() == [[1] * 8]
+    assert int(local["num_items_in_batch"]) == 7
+    assert any("treated as ONE document" in r.getMessage() for r in caplog.records)
+
+
+def malformed_case(rank, world_size, group, name):
+    extra, field = MALFORMED[name]
+    try:
+        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, _batch(extra))
+    except ValueError as exc:
+        return field in str(exc)
+    return False
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_every_rank_raises(gloo, name):
+    assert gloo(2).run(malformed_case, name=name) == [True, True]
