@@ -241,7 +241,8 @@ def world_sum(values: list[float], device: torch.device, dtype=torch.float64) ->
 # --------------------------------------------------------------------------- outputs
 
 
-def write_outputs(output_dir: Path, metrics: dict) -> None:
+def write_outputs(output_dir: Path, metrics: dict, title: str | None = None) -> None:
+    """`metrics.json`, and `loss.png` (per-step losses) when matplotlib (the [bench] extra) is installed."""
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     try:
@@ -253,13 +254,13 @@ def write_outputs(output_dir: Path, metrics: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if title is None:
+        title = f"dp={metrics['dp_size']} x cp={metrics['cp_size']} ({metrics['engine']})"
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    steps = range(1, len(metrics["losses"]) + 1)
-    ax.plot(steps, metrics["losses"], marker="o", markersize=3)
+    ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (token-weighted mean)")
-    ax.set_title(f"dp={metrics['dp_size']} x cp={metrics['cp_size']} ({metrics['engine']}), "
-                 f"{metrics['tokens_per_second']:.0f} tokens/s")
+    ax.set_title(f"{title}, {metrics['tokens_per_second']:.0f} tokens/s")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -139,29 +139,6 @@ def training_arguments(args, world_size: int, cp_size: int):
     )
 
 
-def write_outputs(output_dir: Path, metrics: dict) -> None:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (the [bench] extra): loss.png not written", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("logged loss (token-weighted mean)")
-    ax.set_title(f"Trainer, dp={metrics['dp_size']} x cp={metrics['cp_size']}, {metrics['tokens_per_second']:.0f} tokens/s")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(output_dir / "loss.png", dpi=120)
-    plt.close(fig)
-
-
 def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
     """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
     steps = [h for h in trainer.state.log_history if "loss" in h]
@@ -205,7 +182,9 @@ def main(argv=None) -> int:
     if trainer.is_world_process_zero():
         print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
         if args.output_dir:
-            write_outputs(Path(args.output_dir), metrics)
+            from train_packed import write_outputs  # same folder
+
+            write_outputs(Path(args.output_dir), metrics, f"Trainer, dp={metrics['dp_size']} x cp={metrics['cp_size']}")
     return 0
 
 

@@ -15,7 +15,7 @@ import inspect
 
 import torch
 
-from .registry import HALF, KernelRecord, register_kernel
+from .registry import KernelRecord, half_precision_cuda_reason, register_kernel
 
 
 @functools.cache
@@ -66,15 +66,9 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v
     package = "flash-attn (flash_attn)"
     if not available():
         return f"{package} does not import in this environment (not installed, or a build without CUDA)"
-    if device.type != "cuda":
-        return f"{package} needs a CUDA device"
-    if dtype not in HALF:
-        return f"{package} needs float16 or bfloat16, got {dtype}"
-    if head_dim_k != head_dim_v:
-        return f"{package} needs equal key and value head dims here, got {head_dim_k} and {head_dim_v}"
     if head_dim_k > 256:
         return f"flash-attn supports head dims up to 256, got {head_dim_k}"
-    return None
+    return half_precision_cuda_reason(package, device, dtype, head_dim_k, head_dim_v)
 
 
 register_kernel(

@@ -54,6 +54,19 @@ class KernelRecord:
         return self.check(device, dtype, head_dim_k, head_dim_v)
 
 
+def half_precision_cuda_reason(
+    what: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int
+) -> str | None:
+    """The common refusal of FlashAttention-family kernels: CUDA, fp16/bf16, equal key and value head dims."""
+    if device.type != "cuda":
+        return f"{what} needs a CUDA device"
+    if dtype not in HALF:
+        return f"{what} needs float16 or bfloat16, got {dtype}"
+    if head_dim_k != head_dim_v:
+        return f"{what} needs equal key and value head dims, got {head_dim_k} and {head_dim_v}"
+    return None
+
+
 _RECORDS: dict[str, KernelRecord] = {}
 _SPELLINGS: dict[str, str] = {"auto": "auto"}
 

@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from .registry import HALF, KernelRecord, register_kernel
+from .registry import KernelRecord, half_precision_cuda_reason, register_kernel
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -49,13 +49,7 @@ def varlen_attention_kernel(q, k, v, step, *, scale: float, sliding_window: int 
 def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
     if varlen_attn is None:
         return "torch.nn.attention.varlen is not available in this torch build"
-    if device.type != "cuda":
-        return "varlen_attn needs a CUDA device"
-    if dtype not in HALF:
-        return f"varlen_attn needs float16 or bfloat16, got {dtype}"
-    if head_dim_k != head_dim_v:
-        return f"varlen_attn needs equal key and value head dims, got {head_dim_k} and {head_dim_v}"
-    return None
+    return half_precision_cuda_reason("varlen_attn", device, dtype, head_dim_k, head_dim_v)
 
 
 register_kernel(

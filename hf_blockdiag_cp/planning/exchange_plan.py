@@ -27,7 +27,7 @@ import torch
 
 from .layout import Layout
 from .rank_plan import RankPlan, plan_rank
-from .segments import expand, intersect, interval_size, ranges, run_bounds, run_starts
+from .segments import expand, intersect, interval_size, ranges, run_bounds
 
 EXCHANGE_KINDS = ("allgather", "halo", "a2a")
 NEEDED_ONLY = ("halo", "a2a")
