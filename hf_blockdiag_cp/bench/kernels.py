@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
+from ..kernels import unsupported_reason
 from ..kernels.flex import _compiled_flex
 from ..attention import blockdiag_attention
 from ..step import STEP_KWARG
@@ -69,6 +70,20 @@ def _raw_varlen(lengths, q, k, v):
     return lambda: varlen_attn(q3, k3, v3, cu, cu, m, m, window_size=(-1, 0))
 
 
+def _raw_fa4(lengths, q, k, v):
+    from flash_attn.cute import flash_attn_varlen_func
+
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    cu = cu.to(q.device)
+    m = max(lengths)
+    q3, k3, v3 = (t.squeeze(0).transpose(0, 1) for t in (q, k, v))
+    return lambda: flash_attn_varlen_func(
+        q3.contiguous(), k3.contiguous(), v3.contiguous(), cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m,
+        max_seqlen_k=m, causal=True,
+    )[0]
+
+
 def _dense(doc_ids, q, k, v):
     docs = doc_ids.to(q.device)
     idx = torch.arange(docs.numel(), device=q.device)
@@ -95,6 +110,11 @@ def _profile(fn, path: str, calls: int = 3) -> None:
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    for backend in list(args.backends):
+        reason = unsupported_reason(backend, device, dtype, args.head_dim, args.head_dim)
+        if reason is not None:
+            print(f"skipping {backend}: {reason}", flush=True)
+            args.backends.remove(backend)
     rows = []
     for seq_len in args.seq_lens:
         # Every length compiles from scratch (static shapes, as a run at one pack length does): a
@@ -127,6 +147,8 @@ def run(args) -> list[dict]:
                 methods["raw/flex interval mask"] = (_raw_flex(doc_ids, q, k, v, interval=True), useful)
         if "varlen" in args.backends:
             methods["raw/varlen"] = (_raw_varlen(lengths, q, k, v), useful)
+        if "fa4" in args.backends:
+            methods["raw/fa4"] = (_raw_fa4(lengths, q, k, v), useful)
         references = {}  # far from the others: timed on their own, with few reps
         if seq_len <= args.dense_max_len:
             references["dense-mask sdpa"] = (_dense(doc_ids, q, k, v), useful)
@@ -163,6 +185,12 @@ def run(args) -> list[dict]:
                 rows[-1]["plan_ms"] = plan_ms[name.split("/")[1]]
             print(rows[-1], flush=True)
         by_name = {r["method"]: r for r in rows if r["seq_len"] == seq_len}
+        ceiling, varlen = by_name.get("sdpa one causal doc (ceiling)"), by_name.get("ours/varlen")
+        for row in by_name.values():
+            if ceiling and row is not ceiling:
+                row["vs_ceiling"] = row["tflops"] / ceiling["tflops"]  # useful TFLOP/s over the ceiling's
+            if varlen and row["method"].startswith("ours/") and row is not varlen:
+                row["vs_varlen"] = varlen["ms"] / row["ms"]
         for backend in args.backends:
             ours, raw, dense = by_name.get(f"ours/{backend}"), by_name.get(f"raw/{backend}"), by_name.get("dense-mask sdpa")
             if ours and raw:
@@ -178,7 +206,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--backends", nargs="+", default=["flex", "varlen"])
+    p.add_argument("--backends", nargs="+", default=["flex", "varlen", "fa4"], help="kernels that cannot run here are skipped")
     p.add_argument("--mean-doc-len", type=float, default=2048)
     p.add_argument("--lengths-csv", default=None, help="histogram CSV of document lengths instead of log-normal")
     p.add_argument("--dense-max-len", type=int, default=131072)
@@ -194,7 +222,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> None:
     rows = run(args)
-    cols = ["seq_len", "docs", "method", "first_ms", "ms", "spread_ms", "tflops", "vs_raw", "vs_dense", "plan_ms", "cuda_mallocs"]
+    cols = ["seq_len", "docs", "method", "first_ms", "ms", "spread_ms", "tflops", "vs_raw", "vs_ceiling", "vs_varlen", "vs_dense", "plan_ms", "cuda_mallocs"]
     table = markdown_table(rows, cols)
     print(table)
     write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})

@@ -1,8 +1,11 @@
 """`bench model`: a Hugging Face causal LM (default: a 1.2B Llama-architecture config) fwd+bwd
 on packed batches, `blockdiag_cp` at cp=1 vs HF `sdpa` vs HF `flex_attention`, one GPU.
 
+Methods: `blockdiag_cp/<kernel>` (any kernel name or `auto`), `hf_sdpa`, `hf_flex`; a `+fce`
+suffix runs the method with Liger's fused linear cross-entropy as the loss
+(`integrations.liger`), so HF `flex_attention` + fused CE is the fair baseline of ours + fused CE.
 Reports tokens/s (steady state, median), the first step's time (compilation and plan
-building included) and peak memory; optionally the largest packed length that fits.
+building included) and peak memory; optionally the largest packed length that fits per method.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import time
 import torch
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
+from ..integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
 from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, write_json
 
 CONFIG_1B = dict(
@@ -46,31 +50,49 @@ def packed_batch(seq_len: int, vocab: int, mean_doc_len: float, seed: int, devic
     return lengths, {"input_ids": ids.to(device), "labels": ids.clone().to(device), "position_ids": pos.to(device)}
 
 
+def set_fused_cross_entropy(model, on: bool) -> None:
+    """Switch the model instance's loss between the stock one and Liger's fused linear cross-entropy."""
+    if on:
+        if "_fused_forward" not in model.__dict__:
+            if not enable_fused_cross_entropy(model):
+                raise SystemExit(f"+fce: {fused_cross_entropy_unavailable(model)}")
+            model.__dict__["_fused_forward"] = model.__dict__["forward"]  # the instance forward Liger installed
+        model.__dict__["forward"] = model.__dict__["_fused_forward"]
+    else:
+        model.__dict__.pop("forward", None)  # back to the class's forward (stock loss)
+
+
 def step_fn(model, method: str, batch: dict):
-    if method.startswith("blockdiag_cp"):
-        backend = method.split("/")[1]
+    """(attention implementation, fused CE on?, one fwd+bwd step) of `method`."""
+    base, _, extra = method.partition("+")
+    if extra not in ("", "fce"):
+        raise SystemExit(f"method {method!r}: the only suffix is +fce (fused linear cross-entropy)")
+    fused = extra == "fce"
+    if base.startswith("blockdiag_cp"):
+        config = CPConfig(base.split("/")[1], "allgather")
 
         def run():
-            ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=CPConfig(backend, "allgather"))
+            ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=config)
             with ctx():
                 model(**local).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        return "blockdiag_cp", run
+        return "blockdiag_cp", fused, run
 
-    impl = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[method]
+    impl = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[base]
 
     def run():
         model(**batch).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    return impl, run
+    return impl, fused, run
 
 
-def _one_step(model, impl: str, run) -> tuple[float, float] | None:
+def _one_step(model, impl: str, fused: bool, run) -> tuple[float, float] | None:
     """(seconds, peak GiB) of one fwd+bwd step, or None if it ran out of memory."""
     cuda = torch.cuda.is_available()
     model.set_attn_implementation(impl)
+    set_fused_cross_entropy(model, fused)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
@@ -154,7 +176,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768, 65536])
     p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
     p.add_argument("--fit-methods", nargs="*", default=[])
-    p.add_argument("--fit-lens", type=int, nargs="*", default=[131072, 262144, 524288])
+    p.add_argument("--fit-lens", type=int, nargs="*", default=[131072, 262144, 524288, 786432])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick compile probes)")
     p.add_argument("--mean-doc-len", type=float, default=2048)

@@ -6,7 +6,7 @@ and the experimental `flash` (flash-attn) and `te` (Transformer Engine). Adding 
 one module that registers its record, plus its tests.
 """
 
-from . import dense, flash, flex, te, varlen  # noqa: F401  (each registers its record)
+from . import dense, fa4, flash, flex, te, varlen  # noqa: F401  (each registers its record)
 from .registry import (
     FEATURES,
     KernelRecord,
