@@ -181,6 +181,12 @@ class PackedBatchSampler(Sampler[list[PackItem]]):
         self._planned = (self.epoch, mine)
         return mine
 
+    def replica_repeats(self) -> list[bool]:
+        """Per pack of `replica_packs()`: whether it only repeats an earlier pack to fill the last
+        round (`drop_last=False`). Evaluation weighs those packs 0, so no token counts twice."""
+        total = len(self.epoch_packs())
+        return [j * self.dp_size + self.dp_rank >= total for j in range(len(self.replica_packs()))]
+
     @property
     def stats(self) -> PackingStats:
         """Packing of the packs this replica yields in the current epoch."""

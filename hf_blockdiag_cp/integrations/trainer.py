@@ -16,12 +16,18 @@ backward in the step context. `BlockdiagCPTrainerMixin` therefore owns four Trai
   logged mean over processes are exactly the non-CP values. Nothing here depends on the
   Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
   multiplication by the number of processes, which differ between Transformers versions.
+- `evaluate`: the eval documents packed by the same packing code (nothing dropped: the last
+  partial pack is padded; packs that only fill the DP replicas' last round weigh 0), every
+  pack through the shard step under CP, forward only, each rank holding 1/G of it.
+  `eval_loss` is the token-weighted mean over every predicted eval token (the training
+  loss's definition), i.e. the stock model's loss on each document unpacked.
 
 `BlockdiagCPCallback` checks the setup at `on_train_begin` and meters tokens for the logs.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -380,24 +386,8 @@ class BlockdiagCPTrainerMixin:
         """One pack per micro-batch, already sharded for this CP rank; the same number of packs on every rank."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        c, p = self.cp_coordinates, self.packing
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        loader = packed_dataloader(
-            self.train_dataset,
-            p.max_tokens,
-            dp_size=c.dp_size,
-            dp_rank=c.dp_rank,
-            cp_size=c.cp_size,
-            cp_rank=c.cp_rank,
-            pad_token_id=p.pad_token_id,
-            seed=seed,
-            shuffle=p.shuffle,
-            buffer_size=p.buffer_size,
-            num_workers=self.args.dataloader_num_workers,
-            oversize=p.oversize,
-            drop_last=self.args.dataloader_drop_last,
-            length_key=p.length_key,
-        )
+        c = self.cp_coordinates
+        loader = self._packed_loader(self.train_dataset, shuffle=self.packing.shuffle, drop_last=self.args.dataloader_drop_last)
         agreement = agree(_world_group(c.world_size), False, {"packs per epoch": len(loader)})
         if agreement.disagreeing():
             low, high = agreement.value("packs per epoch")
@@ -407,6 +397,88 @@ class BlockdiagCPTrainerMixin:
                 "packing options, or the Trainer's steps would hang"
             )
         return loader
+
+    def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
+        c, p = self.cp_coordinates, self.packing
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return packed_dataloader(
+            dataset,
+            p.max_tokens,
+            dp_size=c.dp_size,
+            dp_rank=c.dp_rank,
+            cp_size=c.cp_size,
+            cp_rank=c.cp_rank,
+            pad_token_id=p.pad_token_id,
+            seed=seed,
+            shuffle=shuffle,
+            buffer_size=p.buffer_size,
+            num_workers=self.args.dataloader_num_workers,
+            oversize=p.oversize,
+            drop_last=drop_last,
+            length_key=p.length_key,
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Eval packs for this rank, already sharded: the eval documents in order, nothing dropped."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._packed_loader(dataset, shuffle=False, drop_last=False)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sharded evaluation: `{prefix}_loss` is the token-weighted mean loss over every eval target."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if not self.args.prediction_loss_only and self.compute_metrics is not None:
+            raise ValueError(
+                "compute_metrics is not supported by the BlockdiagCP Trainer's sharded evaluation (each rank holds "
+                "1/cp_size of every pack); evaluate gives the token-weighted eval loss"
+            )
+        started = time.time()
+        loader = self.get_eval_dataloader(dataset)
+        repeats = loader.batch_sampler.replica_repeats()
+        model = self.model  # not the DDP wrapper: forward only; an FSDP2 module is its own wrapper
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
+        try:
+            with torch.no_grad():
+                for batch, repeat in zip(loader, repeats):
+                    inputs = self._prepare_inputs(self._local_batch(batch))
+                    train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id
+                    )
+                    local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
+                    with train_ctx():
+                        loss = model(**local).loss
+                    if not repeat:
+                        targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
+                        totals += torch.tensor([float(loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())],
+                                               dtype=torch.float64)
+        finally:
+            model.train(was_training)
+        group = _world_group(self.cp_coordinates.world_size)
+        if group is not None:
+            totals = totals.to(collective_device(group))
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+            totals = totals.cpu()
+        loss_sum, targets, tokens = totals.tolist()
+        runtime = time.time() - started
+        metrics = {
+            f"{metric_key_prefix}_loss": loss_sum / targets if targets else math.nan,
+            f"{metric_key_prefix}_tokens": int(tokens),
+            f"{metric_key_prefix}_runtime": round(runtime, 4),
+            f"{metric_key_prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
+        }
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def _local_batch(self, batch: dict) -> dict:
         """A batch sharded for this CP rank: as given if the collator already did it, else the pure shard step."""
