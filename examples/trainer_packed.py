@@ -60,9 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
+    p.add_argument("--eval", action="store_true", help="hold out the last --eval-docs documents; after training print "
+                   "eval_loss (sharded evaluation under CP: token-weighted over every eval target)")
+    p.add_argument("--eval-docs", type=int, default=64, help="documents held out by --eval")
     p.add_argument("--output-dir", default="out/trainer_packed", help="write metrics.json, loss.png and the final model here")
     args = p.parse_args(argv)
-    for name in ("max_tokens", "steps", "packs_per_step"):
+    for name in ("max_tokens", "steps", "packs_per_step", "eval_docs"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
     return args
@@ -167,16 +170,27 @@ def main(argv=None) -> int:
         return relaunch_cpu_workers(workers)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cp_size = args.cp_size or world_size
+    train_data, eval_data = load_training_data(args), None
+    if args.eval:
+        n = len(train_data)
+        held_out = min(args.eval_docs, n - 1)
+        train_data, eval_data = train_data.select(range(n - held_out)), train_data.select(range(n - held_out, n))
     trainer = BlockdiagCPTrainer(
         model=build_model(args),
         args=training_arguments(args, world_size, cp_size),
-        train_dataset=load_training_data(args),
+        train_dataset=train_data,
+        eval_dataset=eval_data,
         cp_size=cp_size,
         max_tokens=args.max_tokens,
         pad_token_id=corpus.PAD_TOKEN_ID,
     )
     trainer.train()
     metrics = run_metrics(trainer, trainer.args.world_size, cp_size)
+    if args.eval:
+        evaluated = trainer.evaluate()
+        metrics.update(eval_loss=evaluated["eval_loss"], eval_tokens=evaluated["eval_tokens"])
+        if trainer.is_world_process_zero():
+            print(json.dumps({"eval_loss": evaluated["eval_loss"], "eval_tokens": evaluated["eval_tokens"]}))
     if args.output_dir:
         trainer.save_model(args.output_dir)
     if trainer.is_world_process_zero():
