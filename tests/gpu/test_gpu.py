@@ -115,9 +115,11 @@ def sync_free_case(rank, world_size, group, backend):
     """A full forward+backward with host syncs turned into errors inside every attention call."""
     from transformers import AttentionInterface
 
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
+
     torch.cuda.set_device(0)
     config = _config(backend)
-    original = bdcp.blockdiag_cp_attention_forward
+    original = blockdiag_cp_attention_forward
     armed = []
 
     def guarded(*args, **kwargs):
