@@ -2,7 +2,7 @@
 
 Every number comes from the exchange planner (`plan_layout`, `plan_exchange`,
 `choose_exchange`); nothing runs a kernel or a collective. The gloo tests check that the real
-exchanges move exactly the planned bytes (tests/test_exchange_plan.py).
+exchanges move exactly the planned bytes (tests/multiprocess/test_exchange_bytes.py).
 
 Model: 32 query / 8 kv heads, head dim 128, bf16, so one exchanged row (K and V of one token,
 all kv heads) is 8 x (128 + 128) x 2 B = 4 KiB. Bytes are what one rank *receives* in the

@@ -42,18 +42,25 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # reference.py (the parity reference) and packs.py
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for, histogram_lengths, markdown_table
+from hf_blockdiag_cp.bench.model import CONFIG_1B
+from hf_blockdiag_cp.bench.reference import (
+    build_models,
+    make_docs,
+    make_pack,
+    mean_over_group,
+    reference_loss_and_grads,
+    rel_err,
+)
+from hf_blockdiag_cp.comm import exchange_kv
+from hf_blockdiag_cp.planning import choose_exchange, plan_exchange
+from hf_blockdiag_cp.kernels import unsupported_reason
+from hf_blockdiag_cp.planning import plan_layout
+from hf_blockdiag_cp.attention import blockdiag_attention, local_attention
+from hf_blockdiag_cp.step import CPStep, build_step
 
-import hf_blockdiag_cp as bdcp  # noqa: E402
-from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for, histogram_lengths, markdown_table  # noqa: E402
-from hf_blockdiag_cp.bench.model import CONFIG_1B  # noqa: E402
-from hf_blockdiag_cp.comm import exchange_kv  # noqa: E402
-from hf_blockdiag_cp.planning import choose_exchange, plan_exchange  # noqa: E402
-from hf_blockdiag_cp.kernels import unsupported_reason  # noqa: E402
-from hf_blockdiag_cp.planning import plan_layout  # noqa: E402
-from hf_blockdiag_cp.attention import blockdiag_attention, local_attention  # noqa: E402
-from hf_blockdiag_cp.step import CPStep, build_step  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 HIST_CSV = REPO / "benchmarks" / "data" / "doc_length_distribution.csv"
 PARTS = ("parity", "attention", "e2e", "overlap")
@@ -200,9 +207,6 @@ def run_part(ctx: Ctx, name: str, fn, results: dict):
 
 
 def _parity_packs(G: int, args) -> list[tuple[str, list, dict]]:
-    from packs import make_pack
-    from reference import make_docs
-
     packs = []
     for name in ("straddle", "padding_rank", "span_all"):
         docs, batch = make_pack(name, G)
@@ -223,8 +227,6 @@ PARITY_COLUMNS = ["pack", "kernel", "exchange", "layout", "exchange_taken", "dty
 
 
 def part_parity(ctx: Ctx, args) -> dict:
-    from reference import build_models, mean_over_group, reference_loss_and_grads, rel_err
-
     if ctx.cuda:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call on an H200: install, then whichever parts are asked for, each under its own
 # time limit so one slow part cannot eat the call. Results land under $OUT.
-#   TESTS="<pytest args>"   GPU tests (e.g. "tests/test_gpu.py")
+#   TESTS="<pytest args>"   GPU tests (e.g. "tests/gpu", or "tests/gpu/test_gpu.py")
 #   KERNELS="<args>"        python -m hf_blockdiag_cp.bench kernels <args>
 #   MODEL="<args>"          python -m hf_blockdiag_cp.bench model <args>
 #   RANKS="<args>"          python -m hf_blockdiag_cp.bench ranks <args>

@@ -3,7 +3,7 @@
 # one lane per GPU (each lane is `benchmarks/run_h200.sh` with its own variables and its own
 # output folder), optionally next to a multi-GPU command. Only 8 files come back from a call,
 # so everything is archived into $OUT/results.tgz at the end; the lanes' summaries are printed.
-#   LANE0="TESTS='tests/test_models.py -k cuda' KERNELS='--seq-lens 32768'"   run on GPU 0
+#   LANE0="TESTS='tests/gpu/test_flex_features_cuda.py' KERNELS='--seq-lens 32768'"   run on GPU 0
 #   LANE1="MODEL='--seq-lens 16384'"                                           run on GPU 1 (and so on)
 #   MULTI="<command>"     run alongside the lanes on every GPU (e.g. a torchrun smoke run); $W is the results folder
 #   NICE=19 inside a lane  run that lane at low CPU priority (keeps compile-heavy lanes off a timed one)

@@ -4,8 +4,9 @@ These models mix tokens with state-space (Mamba) scans, linear attention, gated 
 or short causal convolutions, whole or in part. Those layers see only the local shard under
 CP and know nothing of packed document boundaries, so training would be silently wrong.
 `apply_model_patches` and the first attention call of a CP step raise for them, unless a
-patch in `model_patches` exists for the type (none yet). See `tests/test_recurrent.py` for
-how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
+patch in `model_patches` exists for the type (none yet). See
+`tests/multiprocess/test_recurrent.py` for how a model-owned recurrent layer can use
+`current_blockdiag_cp_state()` to become exact.
 """
 
 from __future__ import annotations

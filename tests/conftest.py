@@ -1,13 +1,39 @@
+"""Test configuration: `tests/` on sys.path (shared helpers are `helpers.<module>`), a layer
+marker per test from its folder (`unit`, `multiprocess`, `gpu`, `e2e`; see pyproject.toml and
+docs/testing.md), and the session-wide `gloo` fixture."""
+
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, os.fspath(TESTS))
 
-from dist_pool import GlooPool  # noqa: E402
+from helpers.dist_pool import GlooPool  # noqa: E402
+
+LAYERS = ("unit", "multiprocess", "gpu", "e2e")
 
 _POOLS: dict[int, GlooPool] = {}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark every test with its layer, the folder under tests/ that holds it (so `-m "not e2e"`
+    works); unit tests must not start process groups."""
+    misplaced = []
+    for item in items:
+        try:
+            layer = Path(item.path).resolve().relative_to(TESTS).parts[0]
+        except ValueError:  # not under tests/
+            continue
+        if layer not in LAYERS:
+            continue
+        item.add_marker(getattr(pytest.mark, layer))
+        if layer == "unit" and "gloo" in getattr(item, "fixturenames", ()):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError(f"unit tests must not use the gloo fixture (move them to multiprocess/): {misplaced}")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
-"""Exactness (I1, I2) with the needed-only exchanges: `halo`, `a2a` and `auto` give the same loss
-and gradients as the stock model on each document separately, at world sizes 2-4, with and
-without activation checkpointing (the parity cases of test_parity.py), including a document
-over three or more ranks (halo hands over to a2a) and a rank that holds only padding."""
+"""Exactness (I1, I2; docs/design.md) with the needed-only exchanges: `halo`, `a2a` and `auto` give
+the same loss and gradients as the stock model on each document separately, at world sizes 2-4,
+with and without activation checkpointing (the parity case of helpers/parity.py), including a
+document over three or more ranks (halo hands over to a2a) and a rank that holds only padding."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import kv_row_bytes
-from packs import make_pack
-from reference import build_models
-from test_parity import TOL, parity_case
+from helpers.packs import make_pack
+from helpers.parity import TOL, parity_case
+from helpers.reference import build_models
 
 # (layout, world size) -> the exchange that `halo` and `auto` must run. span_all puts one
 # document on every rank: at G = 2 it spans two ranks (halo), from G = 3 on three or more (a2a).
@@ -30,17 +30,14 @@ EXPECTED_NEEDED_ONLY = {
 def chosen_exchange_case(rank, world_size, group, layout, exchange):
     """The exchange the step runs, and the K/V bytes it moved in one llama fwd+bwd with
     checkpointing, against the plan (forward twice: once more in recompute)."""
-    bdcp.configure_cp_varlen("dense", exchange)
-    try:
-        _, model = build_models("llama")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        _, batch = make_pack(layout, world_size)
-        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
-        step = local["blockdiag_cp_step"]
-        with train_ctx():
-            model(**local).loss.backward()
-    finally:
-        bdcp.configure_cp_varlen()
+    _, model = build_models("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, batch = make_pack(layout, world_size)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
+    step = local["blockdiag_cp_step"]
+    with train_ctx():
+        model(**local).loss.backward()
     cfg = model.config
     row_bytes = kv_row_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
     layers = cfg.num_hidden_layers
@@ -80,14 +77,12 @@ def test_halo_straddle_three_ranks(gloo):
 
 def disagreeing_config_case(rank, world_size, group):
     """Rank 0 asks for a2a, the others for allgather: every rank must raise before any exchange."""
-    bdcp.configure_cp_varlen("dense", "a2a" if rank == 0 else "allgather")
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange="a2a" if rank == 0 else "allgather")
     try:
         _, batch = make_pack("span_all", world_size)
-        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     except RuntimeError as exc:
         return str(exc)
-    finally:
-        bdcp.configure_cp_varlen()
     return None
 
 
@@ -102,13 +97,12 @@ def cross_node_case(rank, world_size, group, local_world_size, allow):
 
     previous = os.environ.get("LOCAL_WORLD_SIZE")
     os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    bdcp.configure_cp_varlen("dense", "auto", allow_cross_node_a2a=allow)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange="auto", allow_cross_node_a2a=allow)
     try:
         _, batch = make_pack("span_all", world_size)
-        _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
         return local["blockdiag_cp_step"].kv_exchange
     finally:
-        bdcp.configure_cp_varlen()
         if previous is None:
             os.environ.pop("LOCAL_WORLD_SIZE")
         else:

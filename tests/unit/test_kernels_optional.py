@@ -3,8 +3,7 @@
 Always run (CPU): the registration (never chosen by `auto`, refused with the reason when the
 package is missing), and the whole flash kernel against the dense kernel with a float64 CPU
 stand-in for flash-attn (bottom-right causal alignment, as flash-attn >= 2.1), forward and
-backward.
-On a CUDA machine with the package installed: the real kernel against the dense one in bf16.
+backward. The real kernels on a CUDA machine are in gpu/test_kernels_optional_gpu.py.
 """
 
 from __future__ import annotations
@@ -13,16 +12,13 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from hf_blockdiag_cp.planning import needed_rank_plan, plan_exchange
-from hf_blockdiag_cp.kernels import choose_kernel, get_kernel, kernel_names, unsupported_reason
+from hf_blockdiag_cp.kernels import choose_kernel, kernel_names, unsupported_reason
 from hf_blockdiag_cp.kernels import flash as flash_mod
 from hf_blockdiag_cp.kernels.dense import dense_attention
-from hf_blockdiag_cp.planning import plan_layout, plan_rank
-from hf_blockdiag_cp.step import CPStep, build_step
-from test_exchange_plan import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
+from hf_blockdiag_cp.planning import plan_layout
+from hf_blockdiag_cp.step import build_step
+from helpers.layouts import make_layout, pack_ids
 
 CPU = torch.device("cpu")
 
@@ -130,35 +126,6 @@ def test_flash_kernel_matches_dense_on_a_stand_in(stand_in, strategy, exchange, 
         for g, w in zip(got_grads, want_grads):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
     assert asymmetric_seen  # the layouts exercise the alignment that the guard is for
-
-
-# --------------------------------------------------------------------------- real packages on a GPU
-
-
-def _gpu_case(name):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if unsupported_reason(name, torch.device("cuda"), torch.bfloat16, 64, 64) is not None:
-        pytest.skip(unsupported_reason(name, torch.device("cuda"), torch.bfloat16, 64, 64))
-    device = torch.device("cuda")
-    layout = plan_layout([300, 1000, 77, 500, 1], 2)
-    errors = []
-    for rank in range(2):
-        step = build_step(layout, rank, None, device, name, "allgather")
-        gen = torch.Generator(device=device).manual_seed(rank)
-        shape_q, shape_k = (layout.local_len, 8, 64), (step.rank_plan.num_keys, 2, 64)
-        q = torch.randn(shape_q, generator=gen, device=device, dtype=torch.float64)
-        k = torch.randn(shape_k, generator=gen, device=device, dtype=torch.float64)
-        v = torch.randn(shape_k, generator=gen, device=device, dtype=torch.float64)
-        want = dense_attention(q, k, v, step, scale=0.125, sliding_window=None)
-        got = get_kernel(name).fn(q.bfloat16(), k.bfloat16(), v.bfloat16(), step, scale=0.125, sliding_window=None)
-        errors.append(float((got.double() - want).abs().max()))
-    assert max(errors) < 3e-2, errors
-
-
-@pytest.mark.parametrize("name", ["flash", "te"])
-def test_real_kernel_on_gpu(name):
-    _gpu_case(name)
 
 
 # --------------------------------------------------------------------------- the te kernel on a CPU stand-in

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
 from model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
-from model_zoo import build_pair
+from helpers.model_zoo import build_pair
 
 # Stock defaults that do not build as they are.
 _CONFIG_FIXES = {"lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}}
@@ -91,7 +91,7 @@ def test_pure_ssm_reports_no_attention_call():
 @pytest.mark.parametrize("family", ["phi3", "qwen2_vl"])
 def test_missing_patch_is_refused(family):
     """A model that needs a patch (Phi-3 LongRoPE, Qwen2-VL) but did not get it cannot run a CP step."""
-    from model_zoo import tiny_config
+    from helpers.model_zoo import tiny_config
     from transformers import Qwen2VLForConditionalGeneration
 
     config = tiny_config(family)

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp import kernels
-from packs import make_pack
-from reference import build_models
+from helpers.packs import make_pack
+from helpers.reference import build_models
 
 CASE_TIMEOUT = 120.0  # seconds the pool waits for every rank (then it fails the test)
 

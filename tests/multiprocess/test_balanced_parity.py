@@ -1,6 +1,7 @@
-"""Exactness with balanced layouts (issue 7): loss and every gradient under CP, with the balanced
-layout, equal the stock model run on each document separately (fp32, <= 1e-4), with and without
-activation checkpointing, for every K/V exchange, at world sizes 2, 3 and 4 (real gloo groups)."""
+"""Exactness (I1, docs/design.md) with balanced layouts (docs/layouts.md): loss and every gradient
+under CP, with the balanced layout, equal the stock model run on each document separately (fp32,
+<= 1e-4), with and without activation checkpointing, for every K/V exchange, at world sizes 2, 3
+and 4 (real gloo groups)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.step import STEP_KWARG, document_ids_of
 from hf_blockdiag_cp.planning import plan_exchange
 from hf_blockdiag_cp.planning import plan_layout
-from packs import make_pack
-from test_parity import FAMILIES, TOL, parity_case
+from helpers.packs import make_pack
+from helpers.parity import FAMILIES, TOL, parity_case
 
 # span_all: one document over every rank; straddle: documents across shard boundaries;
 # padding_rank: the contiguous layout's last rank holds only padding.
@@ -37,13 +38,10 @@ def test_balanced_layouts_are_really_permuted(world_size):
 
 def exchange_case(rank, world_size, group, pack, exchange):
     """The exchange a balanced step actually runs for a configured name (halo falls back when invalid)."""
-    bdcp.configure_cp_varlen("dense", exchange)
-    try:
-        _, batch = make_pack(pack, world_size)
-        _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced")
-        return local[STEP_KWARG].kv_exchange, layout.strategy
-    finally:
-        bdcp.configure_cp_varlen()
+    _, batch = make_pack(pack, world_size)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
+    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced", config=config)
+    return local[STEP_KWARG].kv_exchange, layout.strategy
 
 
 def families_for(pack: str, exchange: str):

@@ -3,7 +3,8 @@ dp=2 x cp=2 logs the same loss and grad norm at every step and ends with the sam
 as the *stock* Trainer with the *stock* `sdpa` model on the same packs in one process (labels
 masked at document starts, position ids restarting per document: Transformers' own packed
 path). SGD without clipping, so a gradient scale error shows in the weights (Adam would hide
-it). Plus the callback's and the Trainer's setup checks, which must raise on every rank.
+it). Plus the Trainer's setup checks, which must raise on every rank. The callback's own checks
+and the token meter, in one process: unit/test_trainer_parts.py.
 
 The Trainers run inside the shared gloo pool: accelerate's PartialState joins an already
 initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
@@ -17,13 +18,14 @@ import tempfile
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
 import hf_blockdiag_cp as bdcp  # noqa: F401 - registers "blockdiag_cp"
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
-from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, BlockdiagCPTrainer, TokenMeter
-from reference import VOCAB, tiny_config
+from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
+from helpers.reference import VOCAB
+from helpers.trainer import tiny_model
 
 MAX_TOKENS = 48
 STEPS = 3
@@ -38,12 +40,6 @@ def train_docs() -> list[dict]:
     g = torch.Generator().manual_seed(3)
     lengths = [1, 2, 3, 3, 4, 5, 6, 7, 9, 11, 14, 17, 21, 26, 33, 40, 47, 70, 5, 8, 12, 2, 30, 19, 9, 4, 110]
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
-
-
-def tiny_model(attn: str = "blockdiag_cp", **overrides):
-    torch.manual_seed(0)
-    config = tiny_config("llama", **{"use_cache": False, **overrides})
-    return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
 def training_args(output_dir: str, accumulation: int, **overrides) -> TrainingArguments:
@@ -253,29 +249,3 @@ def test_setup_mistakes_raise_on_every_rank(gloo, mistake, expected):
     results = gloo(2).run(setup_error_case, timeout=120, mistake=mistake)
     for rank, message in enumerate(results):
         assert message is not None and expected in message, f"rank {rank}: {message!r}"
-
-
-def test_callback_checks_activation_checkpointing_mode():
-    callback = BlockdiagCPCallback(cp_size=1)
-    model = tiny_model()
-    callback.check_setup(model, world_size=1)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    callback.check_setup(model, world_size=1)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
-    with pytest.raises(ValueError, match="reentrant activation checkpointing"):
-        callback.check_setup(model, world_size=1)
-    with pytest.raises(ValueError, match="cp_size must be a positive integer"):
-        BlockdiagCPCallback(cp_size=0)
-
-
-def test_token_meter_metrics():
-    meter = TokenMeter(world_size=2)
-    assert meter.pop() == {}
-    meter.add([30, 10], 48)
-    meter.add([6, 2], 16)
-    metrics = meter.pop()
-    assert metrics["cp_real_tokens_rank0"] == 36 and metrics["cp_real_tokens_rank1"] == 12
-    assert metrics["cp_packing_efficiency"] == pytest.approx(48 / 64)
-    assert metrics["cp_rank_imbalance"] == pytest.approx(36 / 24)
-    assert metrics["cp_tokens_per_second"] > 0
-    assert meter.pop() == {}  # a new window

@@ -1,5 +1,6 @@
-"""Balanced layouts (issue 7): validity, predicted work against an independent dense-mask count,
-and balance against contiguous chunks and the planner's stated bound, over random packs."""
+"""Balanced layouts (docs/layouts.md, "The balanced strategy"): validity, predicted work against
+an independent dense-mask count, and balance against contiguous chunks and the planner's stated
+bound, over random packs."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Tiny configs of the model families covered by `test_models.py`, built from configs only
-(no downloads), and a per-document reference that also takes per-document extra inputs
-(3-D mRoPE positions for Qwen2-VL).
+"""Tiny configs of the model families covered by the model tests (`test_model_parity.py`,
+`test_model_features.py`), built from configs only (no downloads), and a per-document reference
+that also takes per-document extra inputs (3-D mRoPE positions for Qwen2-VL).
 
 Each config switches on the feature the family is there to test, at a size where the feature
 changes the result: windows smaller than a shard, a softcap small enough that tanh bends the
@@ -30,7 +30,7 @@ from transformers import (
 
 import hf_blockdiag_cp as bdcp
 import model_patches
-from reference import COMMON_CONFIG, VOCAB, reference_loss_and_grads  # noqa: F401 (re-exported)
+from helpers.reference import COMMON_CONFIG, VOCAB, reference_loss_and_grads  # noqa: F401 (re-exported)
 
 WINDOW = 3  # smaller than every shard in the packs used here
 LONGROPE_ORIGINAL_CONTEXT = 8

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.step import STEP_KWARG
-from packs import make_pack
-from reference import compare_with_reference, make_docs
+from helpers.packs import make_pack
+from helpers.reference import compare_with_reference, make_docs
 
 TOL = 1e-4
 

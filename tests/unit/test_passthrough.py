@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import hf_blockdiag_cp as bdcp
-from packs import make_pack
-from reference import build_models
+from helpers.packs import make_pack
+from helpers.reference import build_models
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])

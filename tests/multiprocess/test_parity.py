@@ -1,38 +1,14 @@
-"""Exactness (I1, I2): loss and every gradient under CP equal the stock model on each
-document separately, at world sizes 1-4, with real gloo groups."""
+"""Exactness (I1, I2; docs/design.md): loss and every gradient under CP equal the stock model on
+each document separately, at world sizes 1-4, with real gloo groups."""
 
 from __future__ import annotations
 
 import pytest
 
 import hf_blockdiag_cp as bdcp
-from packs import LAYOUTS, make_pack
-from reference import build_models, compare_with_reference, reference_loss_and_grads
-
-TOL = 1e-4
-FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
-
-
-def parity_case(rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous"):
-    """For every family and with/without activation checkpointing: the worst relative error."""
-    bdcp.configure_cp_varlen(backend, exchange)
-    worst = {}
-    for family, overrides in families:
-        for checkpointing in (False, True):
-            ref, model = build_models(family, **overrides)
-            docs, batch = make_pack(layout, world_size)
-            ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-            if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy)
-            with train_ctx():
-                loss = model(**local).loss
-                loss.backward()
-            errors = compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
-            name = max(errors, key=errors.get)
-            worst[f"{family}{'+ac' if checkpointing else ''}"] = (errors[name], name, errors["loss"])
-    bdcp.configure_cp_varlen()
-    return worst
+from helpers.packs import LAYOUTS, make_pack
+from helpers.parity import TOL, parity_case
+from helpers.reference import build_models
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -49,14 +25,14 @@ def forward_case(rank, world_size, group, layout, backend):
     """Forward only: every real local row's logits and the mean-over-ranks loss vs the reference."""
     import torch
 
-    from reference import mean_over_group, rel_err
+    from helpers.reference import mean_over_group, rel_err
 
-    bdcp.configure_cp_varlen(backend, "allgather")
     ref, model = build_models("llama")
     docs, batch = make_pack(layout, world_size)
+    config = bdcp.CPConfig(attn_backend=backend, kv_exchange="allgather")
     with torch.no_grad():
         ref_logits = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
-        train_ctx, local, lay = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        train_ctx, local, lay = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
         with train_ctx():
             out = model(**local)
     rows = lay.token_indices[rank]
@@ -64,7 +40,6 @@ def forward_case(rank, world_size, group, layout, backend):
     # document tokens in pack order are exactly the concatenated documents (no padding inside these packs)
     logit_err = rel_err(out.logits[0][real], ref_logits[rows[real]])
     loss = mean_over_group(out.loss, group, world_size)
-    bdcp.configure_cp_varlen()
     return logit_err, float(loss)
 
 

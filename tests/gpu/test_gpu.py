@@ -1,5 +1,6 @@
-"""GPU kernels: exactness in fp32, bf16 parity (DESIGN §7), multi-rank runs through gloo with
-CUDA tensors on one GPU, and no host syncs inside attention. Skipped without CUDA."""
+"""GPU kernels: exactness in fp32, bf16 parity (the criterion in docs/testing.md, "The
+reference"), multi-rank runs through gloo with CUDA tensors on one GPU, and no host syncs inside
+attention (invariant I4, docs/design.md). Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
-from packs import make_pack
-from reference import build_models, mean_over_group, reference_loss_and_grads, rel_err
+from helpers.packs import make_pack
+from helpers.reference import build_models, mean_over_group, reference_loss_and_grads, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -22,13 +23,17 @@ def _flat(grads: dict, names) -> torch.Tensor:
     return torch.cat([grads[n].float().reshape(-1).cpu() for n in names])
 
 
-def _cp_loss_and_grads(model, batch, group, world_size, checkpointing=True):
+def _config(backend: str) -> bdcp.CPConfig:
+    return bdcp.CPConfig(attn_backend=backend, kv_exchange="allgather")
+
+
+def _cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True):
     device = torch.device("cuda")
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.zero_grad(set_to_none=True)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     with train_ctx():
         loss = model(**local).loss
         loss.backward()
@@ -41,7 +46,6 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
     """Errors vs the fp32 unpacked reference: CP in bf16 and the stock model in bf16 (eager, per document)."""
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False
-    bdcp.configure_cp_varlen(backend, "allgather")
     out = {}
     for family, overrides in families:
         ref32, model = build_models(family, **GPU_MODEL, **overrides)
@@ -52,7 +56,7 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
         stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
         loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
         model = model.cuda().to(torch.bfloat16)
-        loss_cp, grads_cp = _cp_loss_and_grads(model, batch, group, world_size)
+        loss_cp, grads_cp = _cp_loss_and_grads(model, batch, group, world_size, _config(backend))
         names = list(grads32)
         out[family] = {
             "stock_grad_err": rel_err(_flat(grads_s, names), _flat(grads32, names)),
@@ -60,7 +64,6 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
             "stock_loss_err": rel_err(loss_s.float().cpu(), loss32.cpu()),
             "cp_loss_err": rel_err(loss_cp.cpu(), loss32.cpu()),
         }
-    bdcp.configure_cp_varlen()
     return out
 
 
@@ -68,16 +71,14 @@ def fp32_parity_case(rank, world_size, group, backend, layout="straddle", famili
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    bdcp.configure_cp_varlen(backend, "allgather")
     worst = 0.0
     for family, overrides in families:
         ref, model = build_models(family, **GPU_MODEL, **overrides)
         ref, model = ref.cuda(), model.cuda()
         docs, batch = make_pack(layout, world_size)
         loss_ref, grads_ref = reference_loss_and_grads(ref, [d.cuda() for d in docs])
-        loss, grads = _cp_loss_and_grads(model, batch, group, world_size)
+        loss, grads = _cp_loss_and_grads(model, batch, group, world_size, _config(backend))
         worst = max([worst, rel_err(loss.cpu(), loss_ref.cpu())] + [rel_err(grads[n].cpu(), grads_ref[n].cpu()) for n in grads_ref])
-    bdcp.configure_cp_varlen()
     return worst
 
 
@@ -114,9 +115,11 @@ def sync_free_case(rank, world_size, group, backend):
     """A full forward+backward with host syncs turned into errors inside every attention call."""
     from transformers import AttentionInterface
 
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
+
     torch.cuda.set_device(0)
-    bdcp.configure_cp_varlen(backend, "allgather")
-    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward as original
+    config = _config(backend)
+    original = blockdiag_cp_attention_forward
     armed = []
 
     def guarded(*args, **kwargs):
@@ -134,10 +137,10 @@ def sync_free_case(rank, world_size, group, backend):
         model = model.cuda().to(torch.bfloat16)
         for _ in range(2):  # the first step compiles and builds the step's masks
             _, batch = make_pack("straddle", world_size)
-            _cp_loss_and_grads(model, batch, group, world_size)
+            _cp_loss_and_grads(model, batch, group, world_size, config)
         model.zero_grad(set_to_none=True)
         batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_pack("straddle", world_size)[1].items()}
-        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)  # host planning: may sync
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)  # host planning: may sync
         armed.append(True)
         with train_ctx():
             loss = model(**local).loss  # every attention call runs with syncs as errors
@@ -148,7 +151,6 @@ def sync_free_case(rank, world_size, group, backend):
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         AttentionInterface.register("blockdiag_cp", original)
-        bdcp.configure_cp_varlen()
     return True
 
 

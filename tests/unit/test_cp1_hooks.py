@@ -25,7 +25,7 @@ from hf_blockdiag_cp.attention.sdpa_hooks import (
     enable_cp1_packed_varlen,
     packed_sdpa,
 )
-from reference import build_models, make_docs, rel_err
+from helpers.reference import build_models, make_docs, rel_err
 
 STOCK_SDPA = F.scaled_dot_product_attention
 TOL = 1e-4
@@ -209,7 +209,7 @@ def test_hf_model_on_sdpa_with_gradient_checkpointing():
     fed the pack with default positions (so HF itself sees one causal row), HF checkpointing on."""
     ref, _ = build_models("llama")
     docs = make_docs(LENGTHS)
-    from reference import reference_loss_and_grads
+    from helpers.reference import reference_loss_and_grads
 
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     model = copy.deepcopy(ref)

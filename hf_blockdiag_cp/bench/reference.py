@@ -1,5 +1,14 @@
-"""Tiny models built from configs and the independent reference: the stock model with
-`attn_implementation="eager"` run on every document separately, unpacked."""
+"""The per-document parity reference, shared by the tests and `benchmarks/multigpu.py`.
+
+Exactness (invariant I1, docs/design.md) is checked against the **stock model, unpacked**: the
+Transformers model with `attn_implementation="eager"` run on every document separately. Nothing
+here uses the CP code: `build_models` only switches a deep copy of the reference to
+`blockdiag_cp` for the caller to run under CP. Also: tiny configs of the parity families, random
+documents, named pack layouts for any CP size, and the error measures (relative error, mean
+over a process group).
+
+Not imported by `import hf_blockdiag_cp`.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +17,9 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, MistralConfig, Qwen2Config
 
-import hf_blockdiag_cp as bdcp
+from .. import ATTN_IMPLEMENTATION
 
 VOCAB = 101
 
@@ -26,6 +35,9 @@ COMMON_CONFIG = dict(  # the tiny decoder shared by every parity test
     attention_dropout=0.0,
     tie_word_embeddings=False,
 )
+
+
+# --------------------------------------------------------------------------- models
 
 
 def tiny_config(family: str, **overrides):
@@ -48,13 +60,57 @@ def build_models(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager", dtype=dtype)
     ref.train()
     model = copy.deepcopy(ref)
-    model.set_attn_implementation(bdcp.ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     return ref, model
+
+
+# --------------------------------------------------------------------------- documents and packs
 
 
 def make_docs(lengths, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+LAYOUTS = ("straddle", "span_all", "padding_rank", "single_tokens", "single_doc", "collator")
+
+
+def layout_lengths(name: str, world_size: int) -> tuple[list[int], int]:
+    """Document lengths and the number of padding tokens (document id 0) at the end of the pack."""
+    g = world_size
+    if name in ("straddle", "collator"):
+        return [5, 7, 3, 9, 4], 0
+    if name == "span_all":  # one document over every rank (three or more when G >= 3)
+        return [2, 8 * g + 1, 3], 0
+    if name == "padding_rank":  # 3G real tokens then 3G padding: the last rank holds only padding
+        return [g, 2 * g], 3 * g
+    if name == "single_tokens":
+        return [1, 3, 1, 1, 5, 1, 2, 1, 4, 1], 0
+    if name == "single_doc":
+        return [4 * g + 3], 0
+    raise ValueError(name)
+
+
+def make_pack(name: str, world_size: int, seed: int = 1, pad_token_id: int = 0):
+    """(documents, packed batch in Hugging Face's flattened convention)."""
+    lengths, n_pad = layout_lengths(name, world_size)
+    docs = make_docs(lengths, seed)
+    if name == "collator":
+        batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+        return docs, dict(batch)
+    ids = torch.cat(docs + [torch.full((n_pad,), pad_token_id)])[None]
+    labels = ids.clone()
+    labels[0, ids.shape[1] - n_pad:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if n_pad:
+        doc_ids = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(n_pad, dtype=torch.long)])
+        batch["document_ids"] = doc_ids[None]
+    else:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    return docs, batch
+
+
+# --------------------------------------------------------------------------- the reference and errors
 
 
 def reference_loss_and_grads(ref, docs, extra_per_doc=None):
