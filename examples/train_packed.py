@@ -40,6 +40,7 @@ import torch.distributed as dist
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
+from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from hf_blockdiag_cp.integrations.accelerate import (
     build_dp_cp_mesh,
     cp_submesh,
@@ -76,7 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over dp x cp instead of DDP")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen")
+    p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, flash, te")
+    p.add_argument("--fused-ce", action="store_true", help="Liger fused linear cross-entropy as the loss (no logits of "
+                   "the pack length; CUDA with the [liger] extra, else the stock loss stays and says so)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
     p.add_argument("--output-dir", default="out/train_packed", help="write metrics.json and loss.png here")
     args = p.parse_args(argv)
@@ -289,7 +292,10 @@ def train(args) -> dict:
         dataset, args.max_tokens, dp_size=place.dp_size, dp_rank=place.dp_rank, cp_size=place.cp_size,
         cp_rank=place.cp_rank, pad_token_id=pad_token_id, seed=args.seed, num_workers=args.num_workers, drop_last=True,
     )
-    model = wrap_model(build_model(args, vocab).to(place.device), mesh, fsdp=args.fsdp)
+    model = build_model(args, vocab).to(place.device)
+    if args.fused_ce:
+        enable_fused_cross_entropy(model)
+    model = wrap_model(model, mesh, fsdp=args.fsdp)
     if args.optimizer == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     else:

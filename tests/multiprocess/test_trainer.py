@@ -8,6 +8,8 @@ and the token meter, in one process: unit/test_trainer_parts.py.
 
 The Trainers run inside the shared gloo pool: accelerate's PartialState joins an already
 initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
+Also sharded evaluation: `evaluate()` under CP equals the stock model's token-weighted loss on every
+eval document unpacked.
 """
 
 from __future__ import annotations
@@ -249,3 +251,71 @@ def test_setup_mistakes_raise_on_every_rank(gloo, mistake, expected):
     results = gloo(2).run(setup_error_case, timeout=120, mistake=mistake)
     for rank, message in enumerate(results):
         assert message is not None and expected in message, f"rank {rank}: {message!r}"
+
+
+# --------------------------------------------------------------------------- sharded evaluation
+
+
+def eval_docs() -> list[dict]:
+    """Held-out documents, none longer than a pack; they pack into an odd number of packs, the last
+    one partial, so dp = 2 needs a fill pack (which must weigh 0)."""
+    g = torch.Generator().manual_seed(11)
+    lengths = [2, 5, 9, 13, 17, 23, 31, 40, 47, 3, 8, 19, 26, 6, 1, 11, 44]
+    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+
+
+def stock_eval_loss(docs: list[dict]) -> float:
+    """The stock eager model (same initial weights) on every document unpacked: token-weighted mean loss."""
+    model = tiny_model("eager").eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for doc in docs:
+            ids = torch.tensor(doc["input_ids"])
+            logits = model(input_ids=ids[None]).logits[0]
+            total += float(torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum"))
+            count += ids.numel() - 1
+    return total / count
+
+
+def eval_case(rank, world_size, group, cp_size):
+    from transformers import AttentionInterface
+
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
+
+    query_rows = []
+
+    def counting(module, query, *args, **kwargs):
+        if kwargs.get("blockdiag_cp_step") is not None:
+            query_rows.append(query.shape[2])
+        return blockdiag_cp_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("blockdiag_cp", counting)
+    try:
+        with accelerate_env(rank, world_size) as out:
+            trainer = BlockdiagCPTrainer(
+                model=tiny_model(), args=training_args(out, 1), train_dataset=train_docs(), eval_dataset=eval_docs(),
+                cp_size=cp_size, max_tokens=MAX_TOKENS,
+            )
+            metrics = _quiet(trainer).evaluate()
+    finally:
+        AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
+    return metrics, query_rows
+
+
+def test_eval_docs_need_a_fill_pack_at_dp2():
+    packs = PackedBatchSampler(dataset_lengths(eval_docs()), MAX_TOKENS, shuffle=False).epoch_packs()
+    assert len(packs) % 2 == 1
+    assert [PackedBatchSampler(dataset_lengths(eval_docs()), MAX_TOKENS, shuffle=False, dp_size=2, dp_rank=r)
+            .replica_repeats() for r in (0, 1)] == [[False] * (len(packs) // 2 + 1), [False] * (len(packs) // 2) + [True]]
+
+
+@pytest.mark.parametrize("world_size,cp_size", [(2, 2), (4, 2)], ids=["dp1xcp2", "dp2xcp2"])
+def test_sharded_evaluate_matches_stock_per_document_loss(gloo, world_size, cp_size):
+    want = stock_eval_loss(eval_docs())
+    results = gloo(world_size).run(eval_case, timeout=180, cp_size=cp_size)
+    real_tokens = sum(len(d["input_ids"]) for d in eval_docs())
+    for rank, (metrics, query_rows) in enumerate(results):
+        assert abs(metrics["eval_loss"] - want) <= 1e-5 * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
+        assert metrics["eval_tokens"] == real_tokens  # every eval token once: nothing dropped, fill packs weigh 0
+        # Every eval forward went through blockdiag_cp, each rank holding 1/cp_size of a pack.
+        assert query_rows and set(query_rows) == {MAX_TOKENS // cp_size}, f"rank {rank}: {sorted(set(query_rows))}"
