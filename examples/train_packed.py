@@ -45,6 +45,7 @@ from hf_blockdiag_cp.integrations.accelerate import (
     build_dp_cp_mesh,
     cp_submesh,
     cpu_workers_to_start,
+    exit_before_launch,
     gradient_sync,
     init_distributed,
     relaunch_cpu_workers,
@@ -110,9 +111,7 @@ def check_before_launch(args, workers: int) -> None:
     about to be started here (0: this process is already one of the run's)."""
     reason = layout_error(args, workers or int(os.environ.get("WORLD_SIZE", "1")))
     if reason is not None:
-        sys.stderr.flush()
-        print(f"error: {reason}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_before_launch(reason, workers)
 
 
 # --------------------------------------------------------------------------- model and data

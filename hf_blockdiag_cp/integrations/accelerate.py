@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 from typing import NoReturn, Sequence
 
@@ -115,6 +116,37 @@ def relaunch_cpu_workers(num_processes: int, argv: Sequence[str] | None = None) 
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)
+
+
+def exit_before_launch(reason: str, workers_to_start: int) -> NoReturn:
+    """End a run whose arguments cannot work, before any worker starts: `error: <reason>` on
+    stderr as the last line of output, exit status 2.
+
+    `workers_to_start > 0` means this process is the one child of `accelerate launch --cpu`
+    (`cpu_workers_to_start`). That launcher prints a `CalledProcessError` traceback after any
+    non-zero exit of its child, which would bury the reason; so a forked helper process waits
+    until the launcher has exited and then repeats the line, which makes it the last output.
+    """
+    line = f"error: {reason}\n".encode()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(2, line)
+    if workers_to_start > 0:
+        launcher = os.getppid()
+        if os.fork() == 0:  # the helper: outlives this process and the launcher, then repeats the reason
+            import psutil  # an accelerate dependency
+
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:  # exited, or a zombie its own parent has yet to reap
+                try:
+                    if psutil.Process(launcher).status() == psutil.STATUS_ZOMBIE:
+                        break
+                except psutil.Error:
+                    break
+                time.sleep(0.02)
+            os.write(2, line)
+            os._exit(0)
+    sys.exit(2)
 
 
 # --------------------------------------------------------------------------- process group and mesh

@@ -103,3 +103,18 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path):
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
+
+
+@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])
+def test_bad_argument_ends_with_the_reason_before_any_worker(script):
+    """`accelerate launch --cpu --num_processes 2 <example> --max-tokens 1001`: the arguments are checked
+    before workers start, and the one-line reason is the last line of output, with a non-zero exit
+    (after accelerate's own CalledProcessError traceback)."""
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--max-tokens", "1001"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    lines = (run.stdout + run.stderr).strip().splitlines()
+    assert run.returncode != 0
+    assert lines[-1] == "error: --max-tokens=1001 must be a multiple of 2*cp=4", lines[-5:]
+    assert "torch.distributed.run" not in run.stdout + run.stderr  # no worker was launched
