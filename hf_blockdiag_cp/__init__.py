@@ -17,7 +17,7 @@ from .integrations.transformers import register as _register
 from .planning import Layout, plan_layout
 from .step import (
     BlockdiagCPModelState,
-    BlockdiagCpModelState,
+    BlockdiagCpModelState,  # noqa: F401  (the seed's spelling, kept importable)
     make_cp_blockdiag_batch_and_ctx,
     current_blockdiag_cp_state,
     shard_batch,

@@ -35,7 +35,7 @@ from .failure import guarded
 # --------------------------------------------------------------------------- collectives (looked up per call)
 
 
-def _all_gather_single(out, inp, group):
+def all_gather_single(out, inp, group):
     # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group)
@@ -128,7 +128,7 @@ class _AllGatherKV(torch.autograd.Function):
         ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
         send = _pack_rows(k, v)
         recv = send.new_empty((world_size * send.shape[0], send.shape[1]))
-        guarded("all-gather", group, _all_gather_single, recv, send, group)
+        guarded("all-gather", group, all_gather_single, recv, send, group)
         if meter is not None:
             meter.forward_bytes += (world_size - 1) * send.shape[0] * _row_bytes(send)
             meter.calls += 1

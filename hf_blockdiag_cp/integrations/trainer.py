@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
+from ..comm import resolve_cp_group
 from ..comm.consensus import agree, collective_device
+from ..comm.exchange import all_gather_single
 from ..data.collator import BlockdiagCPCollator
 from ..data.loader import dp_cp_coordinates, packed_dataloader
 from ..step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
@@ -264,6 +266,17 @@ def _world_group(world_size: int):
     return dist.group.WORLD if world_size > 1 and dist.is_available() and dist.is_initialized() else None
 
 
+def _in_pack_order(rows: torch.Tensor, layout, cp) -> torch.Tensor:
+    """This rank's rows `[L, ...]` of a pack, gathered over the CP group into pack order `[S, ...]` (CPU)."""
+    if cp.group is not None:
+        gathered = rows.new_empty((cp.size * rows.shape[0],) + tuple(rows.shape[1:]))
+        all_gather_single(gathered, rows.contiguous(), cp.group)
+        rows = gathered  # slot order: rank-major, as layout.slot_positions
+    full = rows.new_empty((layout.padded_seq_len,) + tuple(rows.shape[1:]))
+    full[layout.slot_positions.reshape(-1).to(rows.device)] = rows
+    return full[: layout.original_seq_len].cpu()
+
+
 def _cp_group_of(cp_mesh):
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -441,44 +454,89 @@ class BlockdiagCPTrainerMixin:
                 "1/cp_size of every pack); evaluate gives the token-weighted eval loss"
             )
         started = time.time()
+        totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
+        for pack in self._sharded_forward(dataset, with_logits=False):
+            totals += torch.tensor(pack["totals"], dtype=torch.float64)
+        metrics = self._loss_metrics(totals, time.time() - started, metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """Sharded prediction: per-token logits of every pack, gathered over the CP group in pack order.
+
+        Returns `PredictionOutput(predictions [P, S, V], label_ids [P, S], metrics)` on every rank, P
+        the packs of the whole dataset in epoch order (S = max_tokens): `label_ids[p, i]` is the token
+        that logit row i predicts (-100: no target, e.g. a document's last token or padding).
+        """
+        import numpy as np
+        from transformers.trainer_utils import PredictionOutput
+
+        started = time.time()
+        totals = torch.zeros(3, dtype=torch.float64)
+        mine = []
+        for pack in self._sharded_forward(test_dataset, with_logits=True):
+            totals += torch.tensor(pack["totals"], dtype=torch.float64)
+            if pack["index"] is not None:
+                mine.append((pack["index"], pack["logits"], pack["labels"]))
+        metrics = self._loss_metrics(totals, time.time() - started, metric_key_prefix)
+        group = _world_group(self.cp_coordinates.world_size)
+        if group is not None:  # every replica's packs to every rank (CP peers hold the same: rank 0 sends)
+            everyone: list = [None] * self.cp_coordinates.world_size
+            dist.all_gather_object(everyone, mine if self.cp_coordinates.cp_rank == 0 else [], group=group)
+            mine = [item for part in everyone for item in part]
+        mine.sort(key=lambda item: item[0])
+        predictions = np.stack([logits.numpy() for _, logits, _ in mine])
+        label_ids = np.stack([labels.numpy() for _, _, labels in mine])
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def _sharded_forward(self, dataset, with_logits: bool):
+        """Forward only, every pack of `dataset` through the shard step under CP. Yields per pack this
+        rank's `totals` (token-loss sum, targets, real tokens; zeros for packs that only fill the DP
+        replicas' last round), and with `with_logits` the pack's logits and shifted labels in pack
+        order (gathered over the CP group) and its index in the epoch (None for a fill pack)."""
         loader = self.get_eval_dataloader(dataset)
-        repeats = loader.batch_sampler.replica_repeats()
+        sampler = loader.batch_sampler
+        repeats = sampler.replica_repeats()
+        cp = resolve_cp_group(self.cp_mesh)
         model = self.model  # not the DDP wrapper: forward only; an FSDP2 module is its own wrapper
         was_training = model.training
         model.eval()
-        totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
         try:
             with torch.no_grad():
-                for batch, repeat in zip(loader, repeats):
+                for j, (batch, repeat) in enumerate(zip(loader, repeats)):
                     inputs = self._prepare_inputs(self._local_batch(batch))
-                    train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+                    train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
                         self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id
                     )
                     local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
                     with train_ctx():
-                        loss = model(**local).loss
-                    if not repeat:
-                        targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
-                        totals += torch.tensor([float(loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())],
-                                               dtype=torch.float64)
+                        out = model(**local)
+                    targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
+                    pack = {"totals": [0.0, 0, 0] if repeat else
+                            [float(out.loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())]}
+                    if with_logits:
+                        pack["index"] = None if repeat else j * sampler.dp_size + sampler.dp_rank
+                        pack["logits"] = _in_pack_order(out.logits[0].float(), layout, cp)
+                        pack["labels"] = _in_pack_order(local["shift_labels"][0], layout, cp)
+                    yield pack
         finally:
             model.train(was_training)
+
+    def _loss_metrics(self, totals: torch.Tensor, runtime: float, prefix: str) -> dict[str, float]:
+        """Token-weighted loss over every rank's targets (one SUM all-reduce of the per-rank totals)."""
         group = _world_group(self.cp_coordinates.world_size)
         if group is not None:
             totals = totals.to(collective_device(group))
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
             totals = totals.cpu()
         loss_sum, targets, tokens = totals.tolist()
-        runtime = time.time() - started
-        metrics = {
-            f"{metric_key_prefix}_loss": loss_sum / targets if targets else math.nan,
-            f"{metric_key_prefix}_tokens": int(tokens),
-            f"{metric_key_prefix}_runtime": round(runtime, 4),
-            f"{metric_key_prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
+        return {
+            f"{prefix}_loss": loss_sum / targets if targets else math.nan,
+            f"{prefix}_tokens": int(tokens),
+            f"{prefix}_runtime": round(runtime, 4),
+            f"{prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
         }
-        self.log(metrics)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
 
     def _local_batch(self, batch: dict) -> dict:
         """A batch sharded for this CP rank: as given if the collator already did it, else the pure shard step."""

@@ -2,7 +2,8 @@
 
 `dense` (SDPA with a boolean mask; the reference and the CPU path), `flex` (FlexAttention
 with a block mask built once per step), `varlen` (torch varlen, FlashAttention underneath),
-and the experimental `flash` (flash-attn) and `te` (Transformer Engine). Adding a kernel is
+`fa4` (FlashAttention-4, the `[fa4]` extra), and the experimental `flash` (flash-attn) and
+`te` (Transformer Engine). Adding a kernel is
 one module that registers its record, plus its tests.
 """
 

@@ -66,4 +66,5 @@ __all__ = [
     "register_layout_strategy",
     "split_documents",
     "validate_document_ids",
+    "validate_rank_plan",
 ]

@@ -319,3 +319,36 @@ def test_sharded_evaluate_matches_stock_per_document_loss(gloo, world_size, cp_s
         assert metrics["eval_tokens"] == real_tokens  # every eval token once: nothing dropped, fill packs weigh 0
         # Every eval forward went through blockdiag_cp, each rank holding 1/cp_size of a pack.
         assert query_rows and set(query_rows) == {MAX_TOKENS // cp_size}, f"rank {rank}: {sorted(set(query_rows))}"
+
+
+def predict_case(rank, world_size, group, cp_size):
+    with accelerate_env(rank, world_size) as out:
+        trainer = BlockdiagCPTrainer(
+            model=tiny_model(), args=training_args(out, 1), train_dataset=train_docs(), cp_size=cp_size,
+            max_tokens=MAX_TOKENS,
+        )
+        result = _quiet(trainer).predict(eval_docs())
+    return result.predictions, result.label_ids, result.metrics
+
+
+@pytest.mark.parametrize("world_size,cp_size", [(2, 2), (4, 2)], ids=["dp1xcp2", "dp2xcp2"])
+def test_sharded_predict_returns_every_packs_logits_in_pack_order(gloo, world_size, cp_size):
+    docs = eval_docs()
+    packs = PackedBatchSampler(dataset_lengths(docs), MAX_TOKENS, shuffle=False).epoch_packs()
+    model = tiny_model("eager").eval()
+    with torch.no_grad():
+        stock = [model(input_ids=torch.tensor(d["input_ids"])[None]).logits[0] for d in docs]
+    for rank, (predictions, label_ids, metrics) in enumerate(gloo(world_size).run(predict_case, timeout=180, cp_size=cp_size)):
+        assert predictions.shape == (len(packs), MAX_TOKENS, VOCAB), (rank, predictions.shape)
+        assert abs(metrics["test_loss"] - stock_eval_loss(docs)) <= 1e-5 * metrics["test_loss"]
+        for p, items in enumerate(packs):
+            want = torch.cat([stock[i] for i in items])
+            ids = torch.cat([torch.tensor(docs[i]["input_ids"]) for i in items])
+            n = want.shape[0]
+            torch.testing.assert_close(torch.from_numpy(predictions[p, :n]), want, rtol=1e-5, atol=1e-5)
+            # label i is the token logit row i predicts: the next token of the same document, else -100
+            ends = torch.cumsum(torch.tensor([len(docs[i]["input_ids"]) for i in items]), 0) - 1
+            expected = torch.cat([ids[1:], torch.tensor([-100])])
+            expected[ends] = -100
+            assert label_ids[p, :n].tolist() == expected.tolist()
+            assert (label_ids[p, n:] == -100).all()
