@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Multi-GPU validation and scaling of block-diagonal CP (issue 8), one script, one process per rank.
+"""Multi-GPU validation and scaling of block-diagonal CP, one script, one process per rank.
 
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
     torchrun --standalone --nproc-per-node G benchmarks/multigpu.py --out DIR [--parts parity,attention,e2e,overlap]
