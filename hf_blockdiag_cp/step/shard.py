@@ -103,8 +103,8 @@ def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
     if mask is not None:
         ids = torch.where(mask.reshape(-1).cpu().bool(), ids, torch.zeros_like(ids))
         source += " and attention_mask"
+    validate_padding_at_end(ids, source)  # first: a hole of padding also splits a document in two
     validate_document_ids(ids, source)
-    validate_padding_at_end(ids, source)
     return ids
 
 
