@@ -16,6 +16,7 @@ from .kernels import canonical_kernel_name
 from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, layout_strategies
 
 KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
+DEFAULT_KV_CHUNKS = 4  # measured at G = 2 (docs/performance.md, "Overlapped exchange")
 
 _EXCHANGE_SYNONYMS = {
     "auto": "auto",
@@ -60,6 +61,10 @@ class CPConfig:
     layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one
       registered with `planning.register_layout_strategy`); `balance_tolerance` is the
       balanced layout's target max/mean work - 1.
+    kv_chunks: KV-head groups each layer's exchange is pipelined in on a CP group of 2 or
+      more ranks: the next group's collective runs while the kernel works on the current one,
+      forward and backward (`planning.head_groups`; 1 = one exchange, then one kernel call).
+      Results are the same for any value; the default is measured (docs/performance.md).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -69,6 +74,7 @@ class CPConfig:
     layout: str = "contiguous"
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
+    kv_chunks: int = DEFAULT_KV_CHUNKS
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -81,6 +87,8 @@ class CPConfig:
             raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
         if not isinstance(self.allow_cross_node_a2a, bool):
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
+        if isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int) or self.kv_chunks < 1:
+            raise ValueError(f"kv_chunks must be a positive integer (1 = no pipelining); got {self.kv_chunks!r}")
 
     def replace(self, **changes) -> "CPConfig":
         """A copy with some fields changed (normalised again)."""
@@ -102,6 +110,7 @@ def configure_cp(
     *,
     layout: str = "contiguous",
     balance_tolerance: float = DEFAULT_TOLERANCE,
+    kv_chunks: int = DEFAULT_KV_CHUNKS,
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step built without `config=`) and return it.
 
@@ -109,7 +118,7 @@ def configure_cp(
     Calling it with no arguments restores the defaults.
     """
     global _DEFAULT
-    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a)
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kv_chunks)
     return _DEFAULT
 
 

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..comm.exchange import exchange_kv
+from ..comm.exchange import exchange_kv, finish_exchange, start_exchange
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
+from ..planning.exchange_plan import head_groups
 from ..step.state import STEP_KWARG, CPStep, active_step
 from .model_check import check_model_support
 
@@ -95,16 +96,49 @@ def blockdiag_attention(
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
 ):
-    """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]."""
+    """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv].
+
+    On a CP group the layer runs in KV-head groups (`step.kv_chunks`, `planning.head_groups`):
+    group c+1's exchange is launched before group c's kernel, so it travels while that kernel
+    runs; in backward autograd reaches the groups in reverse and each reverse exchange travels
+    behind the next group's kernel (`comm.exchange`). Heads are independent, so the result is
+    the same for any grouping.
+    """
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
-    k, v = exchange_kv(
-        step.kv_exchange, key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1), step.group, step.world_size,
-        routes=step.kv_routes, meter=step.exchange_bytes,
-    )
-    out = local_attention(
-        step, query.squeeze(0).transpose(0, 1), k, v, scale=scale, sliding_window=sliding_window, features=features
-    )
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
+    sizes = (k.shape[1],) if step.world_size == 1 else head_groups(k.shape[1], step.kv_chunks)
+    if len(sizes) == 1:
+        ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
+        out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
+    else:
+        rep = q.shape[1] // k.shape[1]
+        q_sizes = [n * rep for n in sizes]
+        qs, ks, vs = q.split(q_sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)
+        sinks = features.sinks.reshape(-1).split(q_sizes) if features.sinks is not None else [None] * len(sizes)
+
+        def start(c):
+            return start_exchange(
+                step.kv_exchange, ks[c], vs[c], step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes
+            )
+
+        outs, started, upcoming = [], start(0), None
+        try:
+            for c in range(len(sizes)):
+                upcoming = start(c + 1) if c + 1 < len(sizes) else None  # launched before this group's kernel
+                ek, ev = finish_exchange(started)
+                started = None
+                group_features = AttentionFeatures(features.softcap, sinks[c])
+                outs.append(
+                    local_attention(step, qs[c], ek, ev, scale=scale, sliding_window=sliding_window, features=group_features)
+                )
+                started, upcoming = upcoming, None
+        except BaseException:
+            for pending in (started, upcoming):
+                if pending is not None:
+                    pending.abandon("an attention call raised while a K/V exchange was in flight")
+            raise
+        out = torch.cat(outs, dim=1)
     step.attention_calls += 1
     return out.unsqueeze(0)
 

@@ -1,8 +1,8 @@
-"""Differentiable K/V exchanges over the CP group: allgather, halo, a2a.
+"""Differentiable K/V exchanges over the CP group: allgather, halo, a2a, split in two halves so
+that communication can run behind compute.
 
-K and V travel together in one collective per layer: each rank packs its rows as
-`[L, Hkv*Dk + Hkv*Dv]` (so unequal head dims and un-repeated GQA heads cost nothing
-extra).
+K and V travel together in one collective: each rank packs its rows as
+`[L, Hkv*Dk + Hkv*Dv]` (so unequal head dims and un-repeated GQA heads cost nothing extra).
 
 - `allgather` returns every rank's rows in slot order, `[G*L, ...]`; backward is a
   reduce-scatter (sum).
@@ -10,47 +10,61 @@ extra).
   `exchange_plan`), in increasing pack position. Forward: own rows are copied, foreign rows
   travel by point-to-point from left neighbours (`halo`, `batch_isend_irecv`) or by one
   all-to-all-v (`a2a`, `all_to_all_single` with split sizes). Backward is the reverse
-  exchange of the output gradients, accumulated into the local rows with `index_add_`
-  (a row needed by several ranks gets every rank's contribution).
+  exchange of the output gradients, accumulated into the local rows (a row needed by several
+  ranks gets every rank's contribution).
+
+Two autograd nodes per exchange, so that neither direction blocks the compute stream early:
+`start_exchange` packs the rows and *launches* the collective (`async_op=True`: NCCL runs it
+on its own stream); `finish_exchange` *waits* and returns K and V. In backward the order is
+mirrored: the finish node launches the reverse collective and returns its buffer while it is
+still in flight; the start node (which autograd reaches only after the kernels of later
+chunks, `attention.entry`) waits for it. The in-flight buffer has exactly one consumer, the
+start node, so nothing reads it before the wait. `exchange_kv` is both halves back to back.
 
 Every buffer handed to a collective is allocated contiguous here: gloo writes contiguous
-bytes into receive buffers whatever their strides, which silently corrupts gradients when
-a buffer inherits odd strides from an incoming gradient.
+bytes into receive buffers whatever their strides, which silently corrupts gradients when a
+buffer inherits odd strides from an incoming gradient.
 
-Failures: every collective runs through `failure.guarded` (see there).
+Failures: every launch and every wait runs through `failure.guarded` (see there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..planning.exchange_plan import RankRoutes
-from .failure import guarded
+from ..planning.exchange_plan import EXCHANGE_KINDS, RankRoutes
+from .failure import fail_group, group_failed, guarded
 
 
 # --------------------------------------------------------------------------- collectives (looked up per call)
 
 
-def all_gather_single(out, inp, group):
+def all_gather_single(out, inp, group, async_op: bool = False):
     # torch >= 2.13 renamed the tensor collectives; older releases only have the old names.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _reduce_scatter_single(out, inp, group):
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, group=group)
+    return [fn(out, inp, group=group, async_op=True)]
 
 
-def _a2a_transport(recv, recv_counts, send, send_counts, group) -> None:
-    dist.all_to_all_single(recv, send, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group)
+def _all_gather(out, inp, group):
+    return [all_gather_single(out, inp, group, async_op=True)]
 
 
-def _p2p_transport(recv, recv_counts, send, send_counts, group) -> None:
+def _a2a_transport(recv, recv_counts, send, send_counts, group):
+    return [dist.all_to_all_single(
+        recv, send, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group, async_op=True
+    )]
+
+
+def _p2p_transport(recv, recv_counts, send, send_counts, group):
     """Point-to-point with the peers that have rows to exchange (both sides know the counts from the plan)."""
     ops = []
     offset = 0
@@ -63,12 +77,18 @@ def _p2p_transport(recv, recv_counts, send, send_counts, group) -> None:
         if n:
             ops.append(dist.P2POp(dist.isend, send[offset : offset + n], group=group, group_peer=peer))
             offset += n
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
-_TRANSPORTS: dict[str, Callable] = {"halo": _p2p_transport, "a2a": _a2a_transport}
+_TRANSPORTS = {"halo": _p2p_transport, "a2a": _a2a_transport}
+
+
+def _wait(what: str, group, works) -> None:
+    def wait_all():
+        for work in works:
+            work.wait()  # NCCL: the current stream waits on the collective; the host does not block
+
+    guarded(what, group, wait_all)
 
 
 # --------------------------------------------------------------------------- accounting
@@ -116,116 +136,172 @@ def _grads_or_zeros(grad_k, grad_v, rows: int, k_shape, v_shape):
     return grad_k, grad_v
 
 
-# --------------------------------------------------------------------------- all-gather
+# --------------------------------------------------------------------------- the two halves
 
 
-class _AllGatherKV(torch.autograd.Function):
-    """Forward: all-gather of packed K/V rows. Backward: reduce-scatter (sum) of their gradients."""
+@dataclass(eq=False)
+class _Flight:
+    """One exchange between its start and its finish (and again between the two in backward)."""
 
-    @staticmethod
-    def forward(ctx, k, v, group, world_size, meter):
-        ctx.group, ctx.world_size, ctx.meter = group, world_size, meter
-        ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
-        send = _pack_rows(k, v)
-        recv = send.new_empty((world_size * send.shape[0], send.shape[1]))
-        guarded("all-gather", group, all_gather_single, recv, send, group)
-        if meter is not None:
-            meter.forward_bytes += (world_size - 1) * send.shape[0] * _row_bytes(send)
-            meter.calls += 1
-        gk_shape = (recv.shape[0],) + ctx.k_shape[1:]
-        gv_shape = (recv.shape[0],) + ctx.v_shape[1:]
-        return _unpack_rows(recv, gk_shape, gv_shape)
+    kind: str
+    group: Any
+    world_size: int
+    routes: RankRoutes | None
+    meter: ExchangeMeter | None
+    k_shape: tuple[int, ...] = ()
+    v_shape: tuple[int, ...] = ()
+    recv: torch.Tensor | None = None  # forward receive buffer, valid after the forward wait
+    works: list = field(default_factory=list)  # collectives in flight (forward, then backward)
+    back: torch.Tensor | None = None  # needed-only backward: rows other ranks sent back
 
-    @staticmethod
-    def backward(ctx, grad_k, grad_v):
-        rows = ctx.k_shape[0] * ctx.world_size
-        grad_k, grad_v = _grads_or_zeros(grad_k, grad_v, rows, ctx.k_shape, ctx.v_shape)
-        send = _pack_rows(grad_k, grad_v)
-        recv = send.new_empty((ctx.k_shape[0], send.shape[1]))
-        guarded("reduce-scatter", ctx.group, _reduce_scatter_single, recv, send, ctx.group)
-        if ctx.meter is not None:
-            ctx.meter.backward_bytes += (ctx.world_size - 1) * recv.shape[0] * _row_bytes(recv)
-        gk, gv = _unpack_rows(recv, ctx.k_shape, ctx.v_shape)
-        return gk, gv, None, None, None
+    def out_rows(self, local_rows: int) -> int:
+        return local_rows * self.world_size if self.kind == "allgather" else self.routes.num_keys
 
 
-def allgather_kv(k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
-    """Gather every rank's K `[L, Hkv, Dk]` and V `[L, Hkv, Dv]` into `[G*L, Hkv, D]` in slot order."""
-    del routes
-    if world_size == 1:
-        return k, v
-    return _AllGatherKV.apply(k, v, group, world_size, meter)
-
-
-# --------------------------------------------------------------------------- needed-only (halo, a2a)
-
-
-class _NeededKV(torch.autograd.Function):
-    """Forward: the needed rows (own rows copied, foreign rows received). Backward: the reverse
-    exchange of their gradients, accumulated into the local rows."""
+class _Start(torch.autograd.Function):
+    """Forward: pack K/V rows and launch the collective. Backward: wait for the reverse
+    collective that `_Finish.backward` launched and turn its rows into K/V gradients."""
 
     @staticmethod
-    def forward(ctx, k, v, routes: RankRoutes, group, kind: str, meter):
-        ctx.routes, ctx.group, ctx.kind, ctx.meter = routes, group, kind, meter
-        ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
+    def forward(ctx, k, v, flight: _Flight):
+        ctx.flight = flight
+        flight.k_shape, flight.v_shape = tuple(k.shape), tuple(v.shape)
         packed = _pack_rows(k, v)
-        out = packed.new_empty((routes.num_keys, packed.shape[1]))
-        out.index_copy_(0, routes.local_out, packed.index_select(0, routes.local_rows))
-        if routes.any_traffic:
-            send = packed.index_select(0, routes.send_rows).contiguous()
-            recv = packed.new_empty((sum(routes.recv_counts), packed.shape[1]))
-            guarded(f"{kind} exchange", group, _TRANSPORTS[kind], recv, routes.recv_counts, send, routes.send_counts, group)
-            out.index_copy_(0, routes.recv_out, recv)
-            if meter is not None:
-                meter.forward_bytes += recv.shape[0] * _row_bytes(recv)
-        if meter is not None:
-            meter.calls += 1
-        return _unpack_rows(out, (out.shape[0],) + ctx.k_shape[1:], (out.shape[0],) + ctx.v_shape[1:])
+        if flight.kind == "allgather":
+            flight.recv = packed.new_empty((flight.world_size * packed.shape[0], packed.shape[1]))
+            flight.works = guarded("all-gather", flight.group, _all_gather, flight.recv, packed, flight.group)
+            foreign = (flight.world_size - 1) * packed.shape[0]
+        else:
+            routes = flight.routes
+            flight.works, foreign = [], 0
+            if routes.any_traffic:
+                send = packed.index_select(0, routes.send_rows).contiguous()
+                flight.recv = packed.new_empty((sum(routes.recv_counts), packed.shape[1]))
+                flight.works = guarded(
+                    f"{flight.kind} exchange", flight.group, _TRANSPORTS[flight.kind],
+                    flight.recv, routes.recv_counts, send, routes.send_counts, flight.group,
+                )
+                foreign = flight.recv.shape[0]
+        if flight.meter is not None:
+            flight.meter.forward_bytes += foreign * _row_bytes(packed)
+            flight.meter.calls += 1
+        return packed
+
+    @staticmethod
+    def backward(ctx, grad_packed):
+        flight = ctx.flight
+        _wait(f"{flight.kind} exchange backward", flight.group, flight.works)
+        flight.works = []
+        if flight.back is not None:  # needed-only: add what other ranks computed for our rows
+            grad_packed = grad_packed.index_add(0, flight.routes.send_rows, flight.back)
+            flight.back = None
+        gk, gv = _unpack_rows(grad_packed, flight.k_shape, flight.v_shape)
+        return gk, gv, None
+
+
+class _Finish(torch.autograd.Function):
+    """Forward: wait for the collective and return K, V `[rows, Hkv, D]`. Backward: launch the
+    reverse collective and return its (in-flight) buffer as the local rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, packed, flight: _Flight):
+        ctx.flight = flight
+        _wait(f"{flight.kind} exchange", flight.group, flight.works)
+        flight.works = []
+        if flight.kind == "allgather":
+            out = flight.recv
+        else:
+            routes = flight.routes
+            out = packed.new_empty((routes.num_keys, packed.shape[1]))
+            out.index_copy_(0, routes.local_out, packed.index_select(0, routes.local_rows))
+            if routes.any_traffic:
+                out.index_copy_(0, routes.recv_out, flight.recv)
+        flight.recv = None
+        rows = out.shape[0]
+        return _unpack_rows(out, (rows,) + flight.k_shape[1:], (rows,) + flight.v_shape[1:])
 
     @staticmethod
     def backward(ctx, grad_k, grad_v):
-        routes = ctx.routes
-        grad_k, grad_v = _grads_or_zeros(grad_k, grad_v, routes.num_keys, ctx.k_shape, ctx.v_shape)
+        flight = ctx.flight
+        local_rows = flight.k_shape[0]
+        grad_k, grad_v = _grads_or_zeros(grad_k, grad_v, flight.out_rows(local_rows), flight.k_shape, flight.v_shape)
         g = _pack_rows(grad_k, grad_v)
-        grad = g.new_zeros((ctx.k_shape[0], g.shape[1]))
-        grad.index_add_(0, routes.local_rows, g.index_select(0, routes.local_out))
-        if routes.any_traffic:
-            send_back = g.index_select(0, routes.recv_out).contiguous()
-            back = g.new_empty((sum(routes.send_counts), g.shape[1]))
-            guarded(
-                f"{ctx.kind} exchange backward", ctx.group, _TRANSPORTS[ctx.kind],
-                back, routes.send_counts, send_back, routes.recv_counts, ctx.group,
-            )
-            grad.index_add_(0, routes.send_rows, back)
-            if ctx.meter is not None:
-                ctx.meter.backward_bytes += back.shape[0] * _row_bytes(back)
-        gk, gv = _unpack_rows(grad, ctx.k_shape, ctx.v_shape)
-        return gk, gv, None, None, None, None
+        if flight.kind == "allgather":
+            grad = g.new_empty((local_rows, g.shape[1]))
+            flight.works = guarded("reduce-scatter", flight.group, _reduce_scatter_single, grad, g, flight.group)
+            received = (flight.world_size - 1) * local_rows
+        else:
+            routes = flight.routes
+            grad = g.new_zeros((local_rows, g.shape[1]))
+            grad.index_add_(0, routes.local_rows, g.index_select(0, routes.local_out))
+            received = 0
+            if routes.any_traffic:
+                send_back = g.index_select(0, routes.recv_out).contiguous()
+                flight.back = g.new_empty((sum(routes.send_counts), g.shape[1]))
+                flight.works = guarded(
+                    f"{flight.kind} exchange backward", flight.group, _TRANSPORTS[flight.kind],
+                    flight.back, routes.send_counts, send_back, routes.recv_counts, flight.group,
+                )
+                received = flight.back.shape[0]
+        if flight.meter is not None:
+            flight.meter.backward_bytes += received * _row_bytes(g)
+        return grad, None
 
 
-def _needed_only(kind: str):
-    def exchange(k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
+@dataclass(eq=False)
+class InFlight:
+    """A started exchange: pass it to `finish_exchange` (once) for K and V."""
+
+    packed: torch.Tensor
+    flight: _Flight
+
+    def abandon(self, reason: str) -> None:
+        """After an error between start and finish: mark the group failed (its ranks are out of
+        lock step). If no collective failed (the error came from compute), first let the launched
+        collective end: every live peer posted it, and a collective left pending keeps the group's
+        connections open after it is destroyed, so peers would wait instead of failing."""
+        works, self.flight.works = self.flight.works, []
+        if group_failed(self.flight.group):
+            works = []  # a failed collective's peers are gone: waiting could block forever
+        for work in works:
+            try:
+                work.wait()  # peers that got this far posted it too; a dead peer makes it raise
+            except Exception:  # noqa: BLE001 - the error that made us abandon is the one to report
+                pass
+        fail_group(self.flight.group, reason)
+
+
+def _check(kind: str, world_size: int, routes: RankRoutes | None) -> None:
+    if kind not in EXCHANGE_KINDS:
+        raise ValueError(f"kv_exchange={kind!r} is not an exchange; available: {', '.join(EXCHANGE_KINDS)}")
+    if kind != "allgather":
         if routes is None:
             raise ValueError(f"kv_exchange={kind!r} needs the step's routes (CPStep.kv_routes); build the step with an exchange plan")
         if routes.cp_size != world_size:
             raise ValueError(f"kv_exchange={kind!r}: routes were planned for {routes.cp_size} ranks, the group has {world_size}")
-        return _NeededKV.apply(k, v, routes, group, kind, meter)
-
-    exchange.__name__ = f"{kind}_kv"
-    exchange.__doc__ = f"The keys this rank needs, `[K, Hkv, D]` in pack order, by the {kind} transport."
-    return exchange
 
 
-halo_kv = _needed_only("halo")
-a2a_kv = _needed_only("a2a")
+def start_exchange(
+    name: str, k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None
+) -> InFlight:
+    """Launch the named exchange of K `[L, Hkv, Dk]` and V `[L, Hkv, Dv]`; every rank of the
+    group must start the same exchanges in the same order (I5)."""
+    _check(name, world_size, routes)
+    flight = _Flight(name, group, world_size, None if name == "allgather" else routes, meter)
+    return InFlight(_Start.apply(k, v, flight), flight)
 
-EXCHANGES = {"allgather": allgather_kv, "halo": halo_kv, "a2a": a2a_kv}
+
+def finish_exchange(started: InFlight):
+    """Wait for a started exchange: `allgather` gives `[G*L, Hkv, D]` in slot order, `halo` /
+    `a2a` the needed keys `[K, Hkv, D]` in pack order."""
+    return _Finish.apply(started.packed, started.flight)
 
 
 def exchange_kv(name: str, k, v, group, world_size, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
-    """Run the named exchange; every rank of the group must call it with the same name (I5)."""
-    try:
-        fn = EXCHANGES[name]
-    except KeyError:
-        raise ValueError(f"kv_exchange={name!r} is not an exchange; available: {', '.join(EXCHANGES)}") from None
-    return fn(k, v, group, world_size, routes=routes, meter=meter)
+    """Run the named exchange at once (start and finish back to back); an all-gather over one rank returns K, V."""
+    if world_size == 1 and name == "allgather":
+        return k, v
+    return finish_exchange(start_exchange(name, k, v, group, world_size, routes=routes, meter=meter))
+
+
+EXCHANGES = EXCHANGE_KINDS

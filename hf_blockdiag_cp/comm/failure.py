@@ -40,6 +40,12 @@ def fail_group(group, reason: str) -> None:
         pass
 
 
+def group_failed(group) -> bool:
+    """Whether a collective on `group` failed on this rank (its pending work will not complete normally)."""
+    key = _group_key(group)
+    return key is not None and key in _FAILED_GROUPS
+
+
 def check_group_usable(group) -> None:
     """Raise if an earlier step failed on `group` (its ranks are no longer in lock step)."""
     key = _group_key(group)
@@ -50,10 +56,11 @@ def check_group_usable(group) -> None:
         )
 
 
-def guarded(what: str, group, fn, *args) -> None:
-    """Run the collective `fn(*args)`; on failure mark `group` failed and re-raise with a note."""
+def guarded(what: str, group, fn, *args):
+    """Run the collective `fn(*args)` and return its result; on failure mark `group` failed and
+    re-raise with a note."""
     try:
-        fn(*args)
+        return fn(*args)
     except Exception as exc:
         fail_group(group, f"{what} failed")
         if hasattr(exc, "add_note"):

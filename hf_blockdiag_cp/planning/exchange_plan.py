@@ -281,3 +281,28 @@ def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
         max_seqlen_q=base.max_seqlen_q,
         max_seqlen_k=int(k_lens.max()),
     )
+
+
+# --------------------------------------------------------------------------- pipelining
+
+
+def head_groups(num_kv_heads: int, chunks: int) -> tuple[int, ...]:
+    """Sizes of the KV-head groups one layer's exchange is pipelined in (`attention.entry`).
+
+    `chunks` groups (at most one per head), growing about geometrically (weights 1, 1, 2, 4, ...).
+    Only the first group's exchange is exposed in the forward (the next group's travels while
+    the kernel runs on the current one), and in backward, which runs the groups in reverse, only
+    the first group's reverse exchange; both are the smallest. Each later exchange hides behind
+    a kernel at least half its size, enough while communication costs under half the compute.
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"kv_chunks must be a positive integer; got {chunks!r}")
+    if num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be positive; got {num_kv_heads}")
+    c = min(chunks, num_kv_heads)
+    weights = [1] + [2**i for i in range(c - 1)]
+    rest = num_kv_heads - c  # one head each first; the rest by weight, leftovers to the largest groups
+    extra = [rest * w // sum(weights) for w in weights]
+    for i in range(rest - sum(extra)):
+        extra[c - 1 - i % c] += 1
+    return tuple(1 + e for e in extra)

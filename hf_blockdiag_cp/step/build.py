@@ -42,12 +42,14 @@ def build_step(
     attn_backend: str,
     kv_exchange: str,
     exchange_plan: ExchangePlan | None = None,
+    kv_chunks: int = 1,
 ) -> CPStep:
     """The step object of rank `rank` for `layout`: its attention plan (validated on the host,
     then moved to `device` once), and for the needed-only exchanges its routes.
 
     `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the exchange this step
-    runs (`allgather`, `halo` or `a2a`, as agreed by the group). Pure but for the device copies.
+    runs (`allgather`, `halo` or `a2a`, as agreed by the group) in `kv_chunks` KV-head groups.
+    Pure but for the device copies.
     """
     routes = None
     if kv_exchange in NEEDED_ONLY:
@@ -76,6 +78,7 @@ def build_step(
         ),
         attn_backend=attn_backend,
         kv_exchange=kv_exchange,
+        kv_chunks=kv_chunks,
         model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
         exchange_plan=exchange_plan,
         kv_routes=routes,
@@ -88,10 +91,11 @@ class StepAgreement:
 
     pack: PackFingerprint
     kv_exchange: int  # index in EXCHANGE_KINDS
+    kv_chunks: int  # every rank must run as many collectives per layer
 
     def values(self) -> dict[str, int]:
         fields = {f"pack {name.replace('_', ' ')}": value for name, value in vars(self.pack).items()}
-        return {**fields, "kv exchange": self.kv_exchange}
+        return {**fields, "kv exchange": self.kv_exchange, "kv chunks": self.kv_chunks}
 
 
 def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary, strategy) -> dict:
@@ -158,26 +162,28 @@ def make_cp_blockdiag_batch_and_ctx(
             needed_only_ok = config.allow_cross_node_a2a or not group_spans_nodes(cp.group)
             exchange = choose_exchange(config.kv_exchange, exchange_plan, needed_only_ok)
         # The exchange is agreed too: ranks that would run different collectives raise (I5).
-        agreement_values = StepAgreement(info.fingerprint, EXCHANGE_KINDS.index(exchange)).values()
+        agreement_values = StepAgreement(info.fingerprint, EXCHANGE_KINDS.index(exchange), config.kv_chunks).values()
         # Built (and its plan validated) before the consensus: a bad plan on one rank makes every
         # rank raise below instead of leaving peers in the first exchange (I5).
         step = build_step(
-            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan
+            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan,
+            config.kv_chunks,
         )
     except (ValueError, TypeError, AssertionError) as exc:
         error = exc
     if not agreement_values:  # this rank failed before it had a fingerprint: zeros, flagged as failed
-        agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0).values()
+        agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0, 0).values()
     agreement = agree(cp.group, error is not None, agreement_values)
     if error is not None:
         raise error
     if agreement.any_failed:
         raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
     differing = agreement.disagreeing()
-    if differing == ["kv exchange"]:
+    if differing and set(differing) <= {"kv exchange", "kv chunks"}:
         raise RuntimeError(
-            "blockdiag_cp: the ranks of one CP group chose different kv_exchange paths for the same pack; pass the "
-            "same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
+            f"blockdiag_cp: the ranks of one CP group chose different {' and '.join(d.replace(' ', '_') for d in differing)} "
+            "for the same pack; "
+            "pass the same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
         )
     if differing:
         raise RuntimeError(

@@ -121,6 +121,7 @@ class CPStep:
     plan: DevicePlan
     attn_backend: str  # canonical kernel name (or "auto", resolved per layer) configured for this step
     kv_exchange: str  # canonical exchange name agreed for this step
+    kv_chunks: int  # KV-head groups each layer's exchange is pipelined in (agreed; see planning.head_groups)
     model_state: BlockdiagCpModelState
     attention_calls: int = 0
     mask_cache: dict = field(default_factory=dict, repr=False)
