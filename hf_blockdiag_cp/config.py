@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .kernels import canonical_kernel_name
-from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, layout_strategies
+from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, KernelCost, layout_strategies
 
 KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
 
@@ -59,7 +59,9 @@ class CPConfig:
       LOCAL_WORLD_SIZE, it keeps allgather unless `allow_cross_node_a2a`).
     layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one
       registered with `planning.register_layout_strategy`); `balance_tolerance` is the
-      balanced layout's target max/mean work - 1.
+      balanced layout's target max/mean predicted cost - 1; `kernel_cost` the cost model it
+      balances (None: the configured kernel's calibrated `KernelRecord.cost` when the kernel is
+      named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -69,6 +71,7 @@ class CPConfig:
     layout: str = "contiguous"
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
+    kernel_cost: KernelCost | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -81,6 +84,8 @@ class CPConfig:
             raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
         if not isinstance(self.allow_cross_node_a2a, bool):
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
+        if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
+            raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
     def replace(self, **changes) -> "CPConfig":
         """A copy with some fields changed (normalised again)."""
