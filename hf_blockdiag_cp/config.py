@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .kernels import canonical_kernel_name
-from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, layout_strategies
+from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, KernelCost, layout_strategies
 
 KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
 DEFAULT_KV_CHUNKS = 4  # measured at G = 2 (docs/performance.md, "Overlapped exchange")
@@ -60,7 +60,9 @@ class CPConfig:
       LOCAL_WORLD_SIZE, it keeps allgather unless `allow_cross_node_a2a`).
     layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one
       registered with `planning.register_layout_strategy`); `balance_tolerance` is the
-      balanced layout's target max/mean work - 1.
+      balanced layout's target max/mean predicted cost - 1; `kernel_cost` the cost model it
+      balances (None: the configured kernel's calibrated `KernelRecord.cost` when the kernel is
+      named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
     kv_chunks: KV-head groups each layer's exchange is pipelined in on a CP group of 2 or
       more ranks: the next group's collective runs while the kernel works on the current one,
       forward and backward (`planning.head_groups`; 1 = one exchange, then one kernel call).
@@ -75,6 +77,7 @@ class CPConfig:
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
     kv_chunks: int = DEFAULT_KV_CHUNKS
+    kernel_cost: KernelCost | None = None
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -89,6 +92,8 @@ class CPConfig:
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
         if isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int) or self.kv_chunks < 1:
             raise ValueError(f"kv_chunks must be a positive integer (1 = no pipelining); got {self.kv_chunks!r}")
+        if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
+            raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
     def replace(self, **changes) -> "CPConfig":
         """A copy with some fields changed (normalised again)."""

@@ -3,17 +3,25 @@
 For each CP size and layout strategy, every rank's local work (its queries against the
 keys it needs, fwd+bwd, the exchange's output simulated by the full K/V in slot order) runs
 in turn on the one GPU. The step time under CP is set by the slowest rank, so we report
-max-rank time over the ideal (single-GPU time / G), next to the planner's predicted
-per-rank work (allowed query-key pairs).
+max-rank time over the ideal (single-GPU time / G), next to the planner's predictions: per-rank
+work (allowed query-key pairs) and cost (`KernelCost`: the kernel's calibrated constants, or
+`--cost-file`). Every rank's features (runs, tiles, q/k tiles, pairs) are kept beside its ms.
+
+`--calibrate` fits the KernelCost constants to those per-rank timings by least squares and writes
+`<out>/kernel_cost_<kernel>.json` (docs/layouts.md, "Calibration").
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 
+import numpy as np
 import torch
 
-from ..planning import layout_strategies, plan_layout
+from ..kernels import calibrated_cost, canonical_kernel_name
+from ..planning import DEFAULT_KERNEL_COST, KernelCost, layout_cost, layout_strategies, plan_layout, rank_features
 from ..attention import local_attention
 from ..step import CPStep, build_step
 from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_cuda, write_json
@@ -37,8 +45,54 @@ def predicted_pairs(step: CPStep) -> int:
     return int((q * (k - q) + q * (q + 1) // 2).sum())
 
 
+def kernel_cost_for(args) -> KernelCost:
+    """`--cost-file` (a kernel_cost_<kernel>.json or a bare KernelCost object), else the kernel's calibrated cost."""
+    if args.cost_file:
+        with open(args.cost_file) as f:
+            values = json.load(f)
+        return KernelCost.from_dict(values.get("cost", values))
+    return calibrated_cost(canonical_kernel_name(args.backend)) or DEFAULT_KERNEL_COST
+
+
+# rank feature -> the KernelCost field that weighs it (plus the constant per_call)
+FEATURES = {"tiles": "per_tile", "runs": "per_run", "q_tiles": "per_q_tile", "k_tiles": "per_k_tile"}
+
+
+def fit_kernel_cost(samples: list[dict], base: KernelCost) -> tuple[KernelCost, float, float]:
+    """Least squares (relative error) of ms = c0 + sum_f c_f x_f over per-rank samples, coefficients >= 0
+    (the best subset of features whose plain fit is non-negative). Returns the KernelCost in units of
+    one tile (per_tile = 1, ms_per_tile = c_tiles), its max relative error, and the base's."""
+    x = np.array([[1.0] + [s["features"][f] for f in FEATURES] for s in samples])
+    ms = np.array([s["ms"] for s in samples])
+    a, y = x / ms[:, None], np.ones(len(ms))
+    best = None
+    for n in range(1, 6):
+        for cols in itertools.combinations(range(5), n):
+            if 1 not in cols:  # tiles: the unit
+                continue
+            c, *_ = np.linalg.lstsq(a[:, cols], y, rcond=None)
+            if (c < 0).any():
+                continue
+            err = float(np.abs(a[:, cols] @ c - 1).max())
+            if best is None or err < best[0] - 1e-12:
+                best = (err, cols, c)
+    err, cols, c = best
+    coef = np.zeros(5)
+    coef[list(cols)] = c
+    unit = coef[1]
+    fitted = KernelCost(
+        tile_q=base.tile_q, tile_k=base.tile_k, per_tile=1.0, per_run=float(coef[2] / unit),
+        per_q_tile=float(coef[3] / unit), per_k_tile=float(coef[4] / unit), per_call=float(coef[0] / unit),
+        ms_per_tile=float(unit), source="",
+    )
+    base_pred = np.array([base.ms_per_tile * (base.per_call + sum(getattr(base, field) * s["features"][f]
+                                                                   for f, field in FEATURES.items())) for s in samples])
+    return fitted, err, float(np.abs(base_pred / ms - 1).max())
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
+    kernel_cost = kernel_cost_for(args)
     dtype = getattr(torch, args.dtype)
     strategies = [s for s in args.strategies if s in layout_strategies()]
     rows = []
@@ -67,17 +121,23 @@ def run(args) -> list[dict]:
 
             return time_cuda(fwd_bwd, warmup=args.warmup, reps=args.reps).median_ms, predicted_pairs(step)
 
-        single_ms, _ = rank_time(plan_layout(doc_ids, 1), 0)
+        single = plan_layout(doc_ids, 1)
+        single_ms, _ = rank_time(single, 0)
+        rows.append({"scenario": scenario, "G": 1, "strategy": "single", "single_ms": single_ms,
+                     "rank_ms": [round(single_ms, 4)], "rank_features": rank_features(single, kernel_cost)})
         for cp_size in args.cp_sizes:
             for strategy in strategies:
-                layout = plan_layout(doc_ids, cp_size, strategy)
+                layout = plan_layout(doc_ids, cp_size, strategy, kernel_cost=kernel_cost)
                 times, pairs = zip(*(rank_time(layout, r) for r in range(cp_size)))
                 ideal = single_ms / cp_size
+                predicted = layout_cost(layout, args.kv_heads, args.head_dim, args.head_dim, kernel_cost=kernel_cost)
                 rows.append({
                     "scenario": scenario, "G": cp_size, "strategy": strategy, "single_ms": single_ms,
                     "max_rank_ms": max(times), "ideal_ms": ideal, "max_over_ideal": max(times) / ideal,
                     "predicted_max_over_mean": max(pairs) / (sum(pairs) / cp_size),
-                    "rank_ms": [round(t, 3) for t in times],
+                    "predicted_cost_over_ideal": predicted.over_ideal,
+                    "rank_ms": [round(t, 4) for t in times],
+                    "rank_features": rank_features(layout, kernel_cost),
                 })
                 print(rows[-1], flush=True)
     return rows
@@ -116,14 +176,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--cost-file", default=None,
+                   help="KernelCost JSON (e.g. a kernel_cost_<kernel>.json) for the balanced layout and the predictions; "
+                        "default: the kernel's constants in hf_blockdiag_cp/kernels/calibration.json")
+    p.add_argument("--calibrate", action="store_true",
+                   help="also fit the KernelCost constants to every rank's ms and write <out>/kernel_cost_<kernel>.json")
 
 
 def main(args) -> None:
     rows = run(args)
+    if args.calibrate:
+        calibrate(rows, args)
+    rows = [r for r in rows if r["strategy"] != "single"]
     table = markdown_table(rows, ["scenario", "G", "strategy", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
-                                  "predicted_max_over_mean"])
+                                  "predicted_max_over_mean", "predicted_cost_over_ideal"])
     print(table)
     write_json(f"{args.out}/ranks.json", {"env": environment(), "args": vars(args), "rows": rows})
     with open(f"{args.out}/ranks.md", "w") as f:
         f.write(table + "\n")
     plot(rows, f"{args.out}/ranks.png")
+
+
+def calibrate(rows: list[dict], args) -> KernelCost:
+    """Fit the KernelCost constants to every rank's time and write them with the fit quality."""
+    kernel = canonical_kernel_name(args.backend)
+    base = kernel_cost_for(args)
+    samples = [{"ms": ms, "features": f, "scenario": r["scenario"], "G": r["G"], "strategy": r["strategy"]}
+               for r in rows for ms, f in zip(r["rank_ms"], r["rank_features"])]
+    fitted, err, base_err = fit_kernel_cost(samples, base)
+    fitted = KernelCost(**{**fitted.to_dict(), "source": f"bench ranks --calibrate, {kernel}, {len(samples)} rank timings, "
+                                                          f"max relative error {err:.3f}; {environment().get('device', '')}"})
+    out = {"kernel": kernel, "cost": fitted.to_dict(), "max_relative_error": err,
+           "previous_cost": base.to_dict(), "previous_max_relative_error": base_err,
+           "features": ["per_call", *FEATURES.values()],
+           "samples": samples, "env": environment(), "args": vars(args)}
+    write_json(f"{args.out}/kernel_cost_{kernel}.json", out)
+    print(f"kernel cost for {kernel}: {fitted}\nmax relative error {err:.3f} (previous constants: {base_err:.3f})", flush=True)
+    return fitted

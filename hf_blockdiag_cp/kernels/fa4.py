@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .registry import HALF, KernelRecord, register_kernel
+from .registry import HALF, KernelRecord, calibrated_cost, register_kernel
 
 # (Dk, Dv) pairs whose forward and backward matched an fp32 reference on the H200 (docs/kernels.md).
 VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
@@ -87,5 +87,6 @@ register_kernel(
         check=_check,
         features=frozenset({"softcap", "sinks"}),
         auto_priority=5,  # 1.75-1.86x torch varlen on the H200 (docs/performance.md)
+        cost=calibrated_cost("fa4"),
     )
 )

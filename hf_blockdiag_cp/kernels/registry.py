@@ -10,10 +10,15 @@ preference order (`auto_priority`, lowest first) among those that can run a laye
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
+
+from ..planning.kernel_cost import KernelCost
 
 # Attention features beyond block-causal softmax that a layer may ask for (see attention.entry).
 FEATURES = ("softcap", "sinks")
@@ -29,6 +34,8 @@ class KernelRecord:
     any, runs once per step on the host after the step is built (e.g. the flex block mask),
     so no attention layer builds per-step state. `auto_priority` orders `auto` (lower first;
     None: never chosen by `auto`), on the device types in `auto_devices` (None: any).
+    `cost` is the kernel's calibrated cost model for balanced layouts (`calibrated_cost`; None:
+    the planning default).
     """
 
     name: str
@@ -40,6 +47,7 @@ class KernelRecord:
     prepare: Callable[[object], None] | None = field(default=None, compare=False)
     auto_priority: int | None = None
     auto_devices: frozenset[str] | None = frozenset({"cuda"})  # None: any device
+    cost: KernelCost | None = None
 
     def unsupported_reason(
         self, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
@@ -65,6 +73,27 @@ def half_precision_cuda_reason(
     if head_dim_k != head_dim_v:
         return f"{what} needs equal key and value head dims, got {head_dim_k} and {head_dim_v}"
     return None
+
+
+CALIBRATION_PATH = Path(__file__).with_name("calibration.json")
+
+
+@functools.cache
+def _calibration() -> dict:
+    with open(CALIBRATION_PATH) as f:
+        return json.load(f)["kernels"]
+
+
+def calibrated_cost(name: str) -> KernelCost | None:
+    """The committed cost constants of kernel `name` (`kernels/calibration.json`, written from
+    `bench ranks --calibrate`; docs/layouts.md, "Calibration"), or None if it has none."""
+    values = _calibration().get(name)
+    if values is None:
+        return None
+    try:
+        return KernelCost.from_dict(values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{CALIBRATION_PATH}: kernel {name!r}: {exc}") from None
 
 
 _RECORDS: dict[str, KernelRecord] = {}

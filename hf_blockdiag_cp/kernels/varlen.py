@@ -14,7 +14,7 @@ import inspect
 
 import torch
 
-from .registry import KernelRecord, half_precision_cuda_reason, register_kernel
+from .registry import KernelRecord, calibrated_cost, half_precision_cuda_reason, register_kernel
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn
@@ -59,5 +59,6 @@ register_kernel(
         fn=varlen_attention_kernel,
         check=_check,
         auto_priority=10,  # fastest measured on the H200 (docs/performance.md)
+        cost=calibrated_cost("varlen"),
     )
 )

@@ -5,11 +5,12 @@ tested exhaustively against dense masks and reused by the benchmarks. Modules, b
 `segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
 strategies, registered by name), `balance` (the "balanced" strategy), `rank_plan` (one
 rank's queries, keys and varlen offsets), `exchange_plan` (needed keys and traffic),
-`cost` (work and bytes per rank).
+`kernel_cost` (what a tiled kernel spends on a query run: `KernelCost`, the one home of run
+arithmetic), `cost` (work, predicted cost and bytes per rank).
 """
 
 from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
-from .cost import LayoutCost, layout_cost, rank_work, split_documents
+from .cost import LayoutCost, ideal_cost, layout_cost, rank_cost, rank_features, rank_runs, rank_work, split_documents
 from .exchange_plan import (
     EXCHANGE_KINDS,
     NEEDED_ONLY,
@@ -24,6 +25,7 @@ from .exchange_plan import (
     plan_exchange,
     rank_routes,
 )
+from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs
 from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
 from .rank_plan import RankPlan, dense_allowed, plan_rank, validate_rank_plan
 from .segments import (
@@ -37,11 +39,14 @@ from .segments import (
 )
 
 __all__ = [
+    "DEFAULT_KERNEL_COST",
     "DEFAULT_TOLERANCE",
     "EXCHANGE_KINDS",
     "NEEDED_ONLY",
+    "PAIR_COUNT",
     "ExchangeBytes",
     "ExchangePlan",
+    "KernelCost",
     "Layout",
     "LayoutCost",
     "RankPlan",
@@ -53,6 +58,7 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "document_ids_from_lengths",
     "document_ids_from_position_ids",
+    "ideal_cost",
     "kv_row_bytes",
     "layout_cost",
     "layout_strategies",
@@ -63,8 +69,12 @@ __all__ = [
     "plan_layout",
     "plan_rank",
     "positions_from_document_ids",
+    "rank_cost",
+    "rank_features",
     "rank_routes",
+    "rank_runs",
     "rank_work",
+    "run_pairs",
     "register_layout_strategy",
     "split_documents",
     "validate_document_ids",

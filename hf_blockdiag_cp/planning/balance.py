@@ -1,51 +1,57 @@
-"""Balanced layouts: which pack positions each CP rank holds, so that every rank does the same attention work.
+"""Balanced layouts: which pack positions each CP rank holds, so that every rank takes the same attention time.
 
 Pure planning (numpy and CPU tensors, no torch.distributed, no kernels). Registered as the
-layout strategy "balanced" (`plan_layout(..., strategy="balanced")`); `planning.cost`
-reports what any layout costs (work, tokens, K/V bytes).
+layout strategy "balanced" (`plan_layout(..., strategy="balanced", kernel_cost=...)`);
+`planning.cost` reports what any layout costs (pairs, predicted cost, tokens, K/V bytes).
 
 Cost model
-  A query at offset i of its segment (a document or a padding run) attends to i + 1 keys,
-  so a run of n tokens starting at offset a costs n(2a + n + 1)/2 and a whole segment of l
-  tokens w(l) = l(l + 1)/2. A rank's *work* is the sum over its rows: exactly the number of
-  true entries of its rows of the block-causal mask. Every rank holds exactly L = S_pad / G
-  rows. Documents are independent, so any assignment of positions to ranks is exact as long
-  as each rank keeps its rows in increasing pack order (`plan_rank` relies on that).
+  A rank's cost is the sum over its query runs of `KernelCost.run_cost` (planning.kernel_cost):
+  tiles of the run's bottom-right causal block, plus overheads per run and per query/key tile,
+  fitted per kernel (docs/layouts.md, "Calibration"). Unlike pair counts, cost is not conserved
+  by splitting: cutting a document adds runs, key tiles and partial diagonal tiles, so short
+  documents should stay whole and split documents should use few, long chunks. With
+  `PAIR_COUNT` the cost is the number of allowed query-key pairs and the algorithm below is the
+  pair balancer of earlier versions, with its guarantee. Every rank holds exactly L = S_pad / G
+  rows (a hard constraint); documents are independent, so any assignment is exact as long as
+  each rank keeps its rows in increasing pack order (`plan_rank` relies on that).
 
-Algorithm (`balanced_slot_positions`), with T = total work / G and tolerance eps (0.05):
+Algorithm (`balanced_slot_positions`), with T = cost of every segment whole / G, tolerance eps (0.05):
   1. Contiguous chunks if they are already within 1 + eps of T: fewest split documents,
      least communication, and the only layout a left-halo exchange can serve.
-  2. Otherwise a greedy (`_greedy_pieces`). Segments whose work is at most eps/4 * T are
-     *filler*; the others are taken longest first. Each rank's key is its work plus the
-     filler work its free rows will receive (free rows x filler work per token). A segment
-     goes whole to the lowest-key rank with room for it if that keeps the key within
-     (1 + eps/2) T; otherwise it is split head-tail (zig-zag) over the k lowest-key ranks
-     with room, k = 2..G the smallest that stays within budget (or the best k): cut into 2k
-     equal chunks, rank i gets chunks i and 2k-1-i, which gives every one of them exactly
-     the same work; the l mod 2k leftover tokens are a run in the middle of the segment
-     and are placed like a segment. Whatever finds no room, then the filler segments in an
-     order that mixes long and short ones (golden-ratio stride over the length order),
-     are cut to fill the ranks' free rows exactly, lowest key first.
+  2. Otherwise a greedy (`_greedy_pieces`). Segments whose cost is at most eps/4 * T are
+     *filler*; the others are taken longest first. Each rank's key is its cost plus its free
+     rows at an expected cost per row: the mean of everything unplaced, or for a kernel cost
+     the (lower) filler's, since a rank holding dear rows should get cheap rows later rather
+     than a split document. A segment goes whole to the lowest-key rank with room if that keeps
+     the key within (1 + eps/2) x the mean key (which grows by what splits add); otherwise it is
+     split head-tail (zig-zag) over the k lowest-key ranks with room, k = 2..G the smallest
+     within budget (or the best k), but only if that lowers the peak key below placing it whole.
+     Zig-zag cuts 2k equal chunks and gives rank i chunks i and 2k-1-i: the same pairs for each
+     (the same cost up to tile alignment; the dearest pair goes to the lowest key); the l mod 2k
+     leftover tokens are a run in the middle of the segment and are placed like a segment.
+     Whatever finds no room, then the filler segments in an order that mixes long and short
+     ones (golden-ratio stride over the length order), are cut to fill the ranks' free rows
+     exactly, lowest key first.
   3. If the greedy misses 1 + eps too, every segment is zig-zagged over all G ranks (`_zigzag_pieces`)
-     with its l mod 2G leftover tokens in its middle; those leftovers of all segments are
-     pooled and dealt one token at a time in snake order by cost. The best of the three
-     candidates (lowest maximum work, contiguous first on ties) is returned.
+     with its l mod 2G leftover tokens in its middle; for `PAIR_COUNT` those leftovers are
+     pooled and dealt one token at a time in snake order, for a kernel cost (where a one-token
+     run pays a run's overhead) they are cut into the free rows, dearest first. The best of the
+     three candidates (lowest maximum predicted cost, contiguous first on ties) is returned.
 
 Cost per step: O(n log n) in the number of segments n for sorting, a Python loop of O(G log G)
-per non-filler segment (at most 4G/eps of them: each holds more than eps/4 of a rank's work),
-vectorised numpy for the filler, and O(S) to write the slot table. See
-`benchmarks/layout_table.py` for measured times.
+per non-filler segment (at most 4G/eps of them), vectorised numpy for the filler, and O(S) to
+write the slot table. See `benchmarks/layout_table.py` for measured times.
 
-Guarantee. Zig-zag gives every rank identical work from every segment's 2G chunks; snake
-dealing of the pooled leftover tokens (costs c_1 >= c_2 >= ..., complete forward+backward
-rounds because S_pad is a multiple of 2G) leaves max - min <= c_1 - c_last <= l_max - 1
-(the rounds' spreads telescope). A candidate is returned early only within (1 + eps) T, else
-the best of the three, so with l_max the longest segment (document or padding run):
-    max work <= min(contiguous max work, max((1 + eps) T, T + l_max)).
-Hence max/mean <= 1 + eps whenever T >= l_max / eps (T >= 20 l_max for eps = 0.05): every
-128k-token pack at G <= 16 unless nearly all its work sits in documents of a few hundred
-tokens, where contiguous chunks are balanced anyway. Below that, token granularity can make
-1.05 impossible: lengths [3, 1] at G = 2 allow at best 4 vs 3 (1.14).
+Guarantee. The returned layout's maximum predicted cost is never above the contiguous layout's
+(best of candidates, contiguous included). For `PAIR_COUNT` the earlier bound holds: zig-zag
+gives every rank identical pairs from every segment's 2G chunks; snake dealing of the pooled
+leftover tokens (costs c_1 >= c_2 >= ..., complete forward+backward rounds because S_pad is a
+multiple of 2G) leaves max - min <= c_1 - c_last <= l_max - 1, so with l_max the longest segment
+    max work <= min(contiguous max work, max((1 + eps) T, T + l_max)),
+hence max/mean <= 1 + eps whenever T >= l_max / eps; token granularity can make 1.05 impossible
+below that (lengths [3, 1] at G = 2 allow at best 4 vs 3). For a kernel cost there is no such
+bound: splits add cost, and the per-call constant sets a floor on max / ideal (docs/layouts.md);
+tests/unit/test_kernel_cost.py checks the predicted balance of the `bench ranks` scenarios.
 Sliding windows are not in the cost model (they only lower work).
 """
 
@@ -56,15 +62,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kernel_cost import DEFAULT_KERNEL_COST, KernelCost
 from .layout import DEFAULT_TOLERANCE, register_layout_strategy
+
 _FILLER_SHARE = 0.25  # filler segment: work <= _FILLER_SHARE * tolerance * T
 _BUDGET_SHARE = 0.75  # the greedy aims at (1 + 0.75 tolerance) T, leaving room for the filler's noise
 _GOLDEN = 0.6180339887498949
-
-
-def run_work(offset, length):
-    """Work of a run of `length` tokens starting at in-segment `offset`: sum of offset+1 .. offset+length."""
-    return length * (2 * offset + length + 1) // 2
 
 
 # --------------------------------------------------------------------------- pieces
@@ -75,7 +78,8 @@ class Pieces:
     """Runs of consecutive pack positions given to ranks.
 
     Run i holds positions `[start[i], start[i] + length[i])` on rank `rank[i]`; its first token
-    sits at `offset[i]` within its segment, which fixes its work.
+    sits at `offset[i]` within its segment, which fixes its cost. (Two pieces of one segment that
+    end up adjacent on one rank form one kernel run; counting them as two overestimates a little.)
     """
 
     rank: np.ndarray
@@ -95,10 +99,9 @@ class Pieces:
     def from_lists(rank: list[int], start: list[int], length: list[int], offset: list[int]) -> "Pieces":
         return Pieces(*(np.asarray(x, dtype=np.int64) for x in (rank, start, length, offset)))
 
-    def work_per_rank(self, cp_size: int) -> np.ndarray:
-        out = np.zeros(cp_size, dtype=np.int64)
-        np.add.at(out, self.rank, run_work(self.offset, self.length))
-        return out
+    def cost_per_rank(self, cp_size: int, kernel_cost: KernelCost) -> np.ndarray:
+        """Predicted cost per rank, without the per-call constant (`KernelCost.run_cost` summed)."""
+        return np.bincount(self.rank, weights=kernel_cost.run_cost(self.offset, self.length), minlength=cp_size)
 
     def slot_positions(self, cp_size: int, local_len: int) -> torch.Tensor:
         """`[G, L]` positions, each rank's rows in increasing pack order."""
@@ -112,20 +115,35 @@ class Pieces:
         return torch.from_numpy(positions.reshape(cp_size, local_len))
 
 
+
 # --------------------------------------------------------------------------- candidates
 
 
-def _contiguous_work(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int) -> np.ndarray:
-    """Per-rank work of contiguous chunks, from the prefix-work function at the G+1 cut points."""
+def _contiguous_pieces(bounds: np.ndarray, cp_size: int, local_len: int) -> Pieces:
+    """Contiguous chunks as pieces: the segments cut at the G - 1 rank boundaries."""
     cuts = np.arange(cp_size + 1, dtype=np.int64) * local_len
-    seg = np.searchsorted(starts, cuts, side="right") - 1
-    before = np.concatenate([[0], np.cumsum(run_work(0, lengths))])
-    prefix = before[seg] + run_work(0, cuts - starts[seg])
-    return np.diff(prefix)
+    points = np.union1d(bounds, cuts)
+    lo, hi = points[:-1], points[1:]
+    seg_start = bounds[np.searchsorted(bounds, lo, side="right") - 1]
+    return Pieces(lo // local_len, lo, hi - lo, lo - seg_start)
 
 
-def _zigzag_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int) -> Pieces:
-    """Every segment head-tail over all G ranks; middle leftovers dealt token by token in snake order."""
+def _snake_singles(starts: np.ndarray, seg: np.ndarray, tok_offset: np.ndarray, cp_size: int) -> Pieces:
+    """Single tokens dealt in snake order by decreasing offset (their pair count): only right when splits are free."""
+    order = np.argsort(-tok_offset, kind="stable")
+    i = np.arange(seg.size)
+    lane = i % cp_size
+    snake = np.where((i // cp_size) % 2 == 0, lane, cp_size - 1 - lane)
+    return Pieces(snake.astype(np.int64), starts[seg][order] + tok_offset[order], np.ones(seg.size, dtype=np.int64),
+                  tok_offset[order])
+
+
+def _zigzag_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, kernel_cost: KernelCost) -> Pieces:
+    """Every segment head-tail over all G ranks; the middle leftovers (< 2G tokens each) fill the rows left.
+
+    For the pair count they are dealt token by token in snake order (the bound of the module
+    docstring); for a kernel cost, single-token runs would each pay a run's overhead, so the
+    leftover runs are cut into the free rows, most expensive first, lowest cost first."""
     g2 = 2 * cp_size
     chunk = lengths // g2
     rem = lengths - g2 * chunk
@@ -139,57 +157,77 @@ def _zigzag_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int) -> Pie
         np.broadcast_to(chunk[big, None], offsets.shape).reshape(-1),
         offsets.reshape(-1),
     )
-    seg = np.repeat(np.arange(lengths.size), rem)
-    first = np.cumsum(rem) - rem
-    tok_offset = cp_size * chunk[seg] + np.arange(seg.size) - first[seg]
-    order = np.argsort(-tok_offset, kind="stable")
-    i = np.arange(seg.size)
-    lane = i % cp_size
-    snake = np.where((i // cp_size) % 2 == 0, lane, cp_size - 1 - lane)
-    singles = Pieces(
-        snake.astype(np.int64),
-        starts[seg][order] + tok_offset[order],
-        np.ones(seg.size, dtype=np.int64),
-        tok_offset[order],
+    if kernel_cost.splits_are_free:
+        seg = np.repeat(np.arange(lengths.size), rem)
+        first = np.cumsum(rem) - rem
+        tok_offset = cp_size * chunk[seg] + np.arange(seg.size) - first[seg]
+        return Pieces.concat([chunks, _snake_singles(starts, seg, tok_offset, cp_size)])
+    has_rem = rem > 0
+    middle = Pieces(
+        np.zeros(int(has_rem.sum()), dtype=np.int64),
+        starts[has_rem] + cp_size * chunk[has_rem],
+        rem[has_rem],
+        cp_size * chunk[has_rem],
     )
-    return Pieces.concat([chunks, singles])
+    order = np.argsort(-kernel_cost.run_cost(middle.offset, middle.length), kind="stable")
+    middle = Pieces(*(getattr(middle, f)[order] for f in ("rank", "start", "length", "offset")))
+    work = chunks.cost_per_rank(cp_size, kernel_cost)
+    used = np.bincount(chunks.rank, weights=chunks.length, minlength=cp_size).astype(np.int64)
+    greedy = _Greedy(cp_size, local_len, 0.0, 0.0, kernel_cost)
+    greedy.work, greedy.free = work.tolist(), (local_len - used).tolist()
+    return Pieces.concat([chunks, greedy.fill(middle)])
 
 
 class _Greedy:
-    """State of the greedy: per-rank work and free rows, and the runs placed so far."""
+    """State of the greedy: per-rank cost and free rows, and the runs placed so far."""
 
-    def __init__(self, cp_size: int, local_len: int, total_work: int, budget: float):
+    def __init__(self, cp_size: int, local_len: int, total_cost: float, budget_factor: float, kernel_cost: KernelCost):
         self.g = cp_size
-        self.work = [0] * cp_size
+        self.cost_model = kernel_cost
+        self.work = [0.0] * cp_size  # predicted cost so far
         self.free = [local_len] * cp_size
-        self.left_work = total_work  # work and rows not placed yet
+        # Rows not placed yet, and their cost as whole runs: what splits add is not foreseen, so
+        # it shows in `work` when it happens and the mean key grows by it.
+        self.left_work = total_cost
         self.left_rows = cp_size * local_len
-        self.budget = budget
+        self.budget_factor = budget_factor
+        self.fill_density: float | None = None
         self.placed: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])
         self.unplaced: list[tuple[int, int, int]] = []  # (start, length, offset)
 
+    def cost(self, offset, length):
+        return self.cost_model.run_cost(offset, length)
+
     @property
     def density(self) -> float:
-        """Mean work per row of everything not placed yet: what free rows will receive on average."""
-        return self.left_work / self.left_rows if self.left_rows else 0.0
+        """Cost per row that free rows are expected to receive: the mean of everything not placed yet,
+        or less, `fill_density` (the filler's), when splits add cost (then a rank holding dear rows
+        should get cheap ones later, not a split document)."""
+        mean = self.left_work / self.left_rows if self.left_rows else 0.0
+        return min(mean, self.fill_density) if self.fill_density is not None else mean
 
     def key(self, r: int) -> float:
-        """Work rank r is heading for: its work plus its free rows at the unplaced mass's density.
+        """Cost rank r is heading for: its cost plus its free rows at the unplaced mass's density.
 
-        The keys always sum to the total work, so their mean is the target T."""
+        The keys always sum to the total cost placed or expected, so their mean is about the target T."""
         return self.work[r] + self.density * self.free[r]
 
-    def _put(self, r: int, start: int, length: int, offset: int) -> None:
+    def _put(self, r: int, start: int, length: int, offset: int, cost: float) -> None:
         ranks, starts, lengths, offsets = self.placed
         ranks.append(r), starts.append(start), lengths.append(length), offsets.append(offset)
-        work = run_work(offset, length)
-        self.work[r] += work
+        self.work[r] += cost
         self.free[r] -= length
-        self.left_work -= work
         self.left_rows -= length
 
+    @property
+    def budget(self) -> float:
+        """(1 + 0.75 tolerance) x the mean key. The keys' sum grows by what splits add (their extra
+        tiles and runs), so the budget follows the mean instead of staying at the unsplit T."""
+        return self.budget_factor * (sum(self.work) + self.left_work) / self.g
+
     def place(self, start: int, length: int, offset: int = 0) -> None:
-        """Place one run whole if that stays within budget, else zig-zag it over the fewest lowest-key ranks."""
+        """Place one run whole if that stays within budget, else zig-zag it over the fewest lowest-key
+        ranks if that lowers the peak key; what fits nowhere is left for the filler."""
         density = self.density
         free = self.free
         keys = [w + density * f for w, f in zip(self.work, free)]
@@ -200,21 +238,35 @@ class _Greedy:
             for r in range(self.g):
                 if free[r] >= length and keys[r] < best_key:
                     best, best_key = r, keys[r]
-        delta = run_work(offset, length) - density * length
+        cost = float(self.cost(offset, length))
+        whole_peak = best_key + cost - density * length
+        budget = self.budget
         # Runs too short to split, and the middle leftovers of split segments, go whole regardless.
-        if best >= 0 and (best_key + delta <= self.budget or length < 4 or offset > 0):
-            self._put(best, start, length, offset)
-        elif not (offset == 0 and self._split(keys, density, start, length)):
+        if best >= 0 and (whole_peak <= budget or length < 4 or offset > 0):
+            self.left_work -= cost
+            self._put(best, start, length, offset, cost)
+            return
+        split = self._best_split(keys, density, length, budget) if offset == 0 else None
+        if split is not None and split[0] < whole_peak:
+            self._apply_split(start, length, *split[1:])
+        elif best >= 0:
+            self.left_work -= cost
+            self._put(best, start, length, offset, cost)
+        else:
             self.unplaced.append((start, length, offset))
 
-    def _split(self, keys: list[float], density: float, start: int, length: int) -> bool:
-        """Zig-zag a segment over the k lowest-key ranks with room, k the smallest within budget (else the best k)."""
+    def _best_split(self, keys: list[float], density: float, length: int, budget: float):
+        """(peak key, ranks, k, pair order) of zig-zag over the k lowest-key ranks with room, k the
+        smallest within budget (else the lowest peak); None if no k has room.
+
+        Head-tail pairs (chunks i and 2k-1-i) hold the same pairs; under a kernel cost they differ a
+        little (tile alignment, key tiles), so the dearest pair goes to the lowest key."""
         order = sorted(range(self.g), key=keys.__getitem__)
         free = self.free
-        best: tuple[float, list[int], int] | None = None
+        best = None
         # Each of k ranks gains about excess / k, so no k below excess / (budget - lowest key) can fit.
-        excess = run_work(0, length) - density * length
-        room = self.budget - keys[order[0]]
+        excess = float(self.cost(0, length)) - density * length
+        room = budget - keys[order[0]]
         k_low = max(2, int(excess // room)) if room > 0 else self.g
         for k in range(min(k_low, self.g, length // 2), min(self.g, length // 2) + 1):
             chunk = length // (2 * k)
@@ -222,32 +274,27 @@ class _Greedy:
             ranks = [r for r in order if free[r] >= 2 * chunk][:k]
             if len(ranks) < k:
                 continue
-            peak = keys[ranks[-1]] + chunk * (2 * k * chunk + 1 + rem) - density * 2 * chunk
+            i = np.arange(k, dtype=np.int64)
+            pair_cost = self.cost(i * chunk, chunk) + self.cost(rem + (2 * k - 1 - i) * chunk, chunk)
+            dearest = np.argsort(-pair_cost, kind="stable")  # pair dearest[j] goes to ranks[j]
+            peak = max(keys[r] + float(pair_cost[p]) for r, p in zip(ranks, dearest)) - density * 2 * chunk
             if best is None or peak < best[0]:
-                best = (peak, ranks, k)
-            if peak <= self.budget:
+                best = (peak, ranks, k, dearest)
+            if peak <= budget:
                 break
-        if best is None:
-            return False
-        _, ranks, k = best
+        return best
+
+    def _apply_split(self, start: int, length: int, ranks: list[int], k: int, dearest: np.ndarray) -> None:
         chunk = length // (2 * k)
         rem = length - 2 * k * chunk
-        pair_work = chunk * (2 * k * chunk + 1 + rem)  # the same for every rank: the point of zig-zag
-        heads = [i * chunk for i in range(k)]
-        tails = [rem + (2 * k - 1 - i) * chunk for i in range(k)]
-        placed_ranks, placed_starts, placed_lengths, placed_offsets = self.placed
-        placed_ranks.extend(ranks + ranks)
-        placed_offsets.extend(heads + tails)
-        placed_starts.extend([start + o for o in heads + tails])
-        placed_lengths.extend([chunk] * (2 * k))
-        for r in ranks:
-            self.work[r] += pair_work
-            self.free[r] -= 2 * chunk
-        self.left_work -= k * pair_work
-        self.left_rows -= 2 * k * chunk
+        # The segment leaves the unplaced estimate, but for its middle leftover, which `place` takes next.
+        self.left_work -= float(self.cost(0, length)) - (float(self.cost(k * chunk, rem)) if rem else 0.0)
+        for r, p in zip(ranks, dearest.tolist()):
+            head, tail = p * chunk, rem + (2 * k - 1 - p) * chunk
+            self._put(r, start + head, chunk, head, float(self.cost(head, chunk)))
+            self._put(r, start + tail, chunk, tail, float(self.cost(tail, chunk)))
         if rem:
             self.place(start + k * chunk, rem, k * chunk)
-        return True
 
     def fill(self, filler: Pieces) -> Pieces:
         """Cut `filler` (a sequence of runs, rank ignored) into the free rows, lowest key first."""
@@ -266,14 +313,18 @@ class _Greedy:
         return Pieces.concat([Pieces.from_lists(*self.placed), cut])
 
 
-def _greedy_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, tolerance: float) -> Pieces:
+def _greedy_pieces(
+    starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, tolerance: float, kernel_cost: KernelCost
+) -> Pieces:
     """Step 2 of the module docstring: whole segments by key, zig-zag over few ranks where needed, filler last."""
-    work = run_work(0, lengths)
+    work = kernel_cost.run_cost(0, lengths)
     mean = float(work.sum()) / cp_size
     by_length = np.argsort(-lengths, kind="stable")
     is_filler = work[by_length] <= _FILLER_SHARE * tolerance * mean
     large, small = by_length[~is_filler], by_length[is_filler]
-    greedy = _Greedy(cp_size, local_len, int(work.sum()), (1.0 + _BUDGET_SHARE * tolerance) * mean)
+    greedy = _Greedy(cp_size, local_len, float(work.sum()), 1.0 + _BUDGET_SHARE * tolerance, kernel_cost)
+    if not kernel_cost.splits_are_free and small.size:
+        greedy.fill_density = float(work[small].sum()) / float(lengths[small].sum())
     for i in large.tolist():
         greedy.place(int(starts[i]), int(lengths[i]), 0)
     # Mixed filler order: a golden-ratio stride over the length order, so every stretch holds long and short.
@@ -290,25 +341,32 @@ def _greedy_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_
     return greedy.fill(filler)
 
 
-def balanced_slot_positions(boundaries: torch.Tensor, cp_size: int, tolerance: float = DEFAULT_TOLERANCE) -> torch.Tensor:
+def balanced_slot_positions(
+    boundaries: torch.Tensor,
+    cp_size: int,
+    tolerance: float = DEFAULT_TOLERANCE,
+    kernel_cost: KernelCost = DEFAULT_KERNEL_COST,
+) -> torch.Tensor:
     """`[G, L]` slot positions of the balanced layout of a padded pack with segment `boundaries` `[0, ..., S_pad]`."""
     if not tolerance > 0:
         raise ValueError(f"tolerance must be > 0; got {tolerance!r}")
+    if not isinstance(kernel_cost, KernelCost):
+        raise TypeError(f"kernel_cost must be a planning.KernelCost; got {type(kernel_cost).__name__}")
     bounds = boundaries.detach().cpu().numpy().astype(np.int64)
     starts, lengths = bounds[:-1], np.diff(bounds)
     s_pad = int(bounds[-1])
     local_len = s_pad // cp_size
-    contiguous = _contiguous_work(starts, lengths, cp_size, local_len)
-    mean = float(contiguous.sum()) / cp_size
-    limit = (1.0 + tolerance) * mean
+    contiguous = _contiguous_pieces(bounds, cp_size, local_len).cost_per_rank(cp_size, kernel_cost)
+    # T: every segment whole, divided by G (for the pair count the same as any layout's mean).
+    limit = (1.0 + tolerance) * float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
     if cp_size == 1 or contiguous.max() <= limit:
         return torch.arange(s_pad).view(cp_size, local_len)
-    greedy = _greedy_pieces(starts, lengths, cp_size, local_len, tolerance)
-    greedy_max = greedy.work_per_rank(cp_size).max()
+    greedy = _greedy_pieces(starts, lengths, cp_size, local_len, tolerance, kernel_cost)
+    greedy_max = greedy.cost_per_rank(cp_size, kernel_cost).max()
     if greedy_max <= limit:
         return greedy.slot_positions(cp_size, local_len)
-    zigzag = _zigzag_pieces(starts, lengths, cp_size)
-    zigzag_max = zigzag.work_per_rank(cp_size).max()
+    zigzag = _zigzag_pieces(starts, lengths, cp_size, local_len, kernel_cost)
+    zigzag_max = zigzag.cost_per_rank(cp_size, kernel_cost).max()
     best = min(contiguous.max(), greedy_max, zigzag_max)
     if contiguous.max() == best:
         return torch.arange(s_pad).view(cp_size, local_len)

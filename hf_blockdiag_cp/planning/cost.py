@@ -1,23 +1,54 @@
-"""What a layout costs: per-rank attention work, real tokens and K/V bytes.
+"""What a layout costs: per-rank attention work, predicted kernel cost, real tokens and K/V bytes.
 
-Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask
-(the cost model of `planning.balance`); bytes come from the exchange plan.
+Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask;
+cost is what a tiled kernel is predicted to spend on the rank's query runs (`KernelCost`,
+the arithmetic's home is `planning.kernel_cost`); bytes come from the exchange plan.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .exchange_plan import kv_row_bytes, plan_exchange
+from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs  # noqa: F401  (re-exported)
 from .layout import Layout
 
 
 def rank_work(layout: Layout) -> torch.Tensor:
-    """`[G]` predicted attention work per rank: query-key pairs of the block-causal mask on its rows."""
+    """`[G]` attention work per rank: query-key pairs of the block-causal mask on its rows."""
     pos = layout.slot_positions
     return (pos - layout.segments.segment_starts[pos] + 1).sum(dim=1)
+
+
+def rank_runs(layout: Layout, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(in-segment offset, length) of each query run of `rank` (`Layout.query_runs`), as numpy int64."""
+    first, last = layout.query_runs(rank)
+    pos = layout.slot_positions[rank]
+    offset = pos[first] - layout.segments.segment_starts[pos[first]]
+    return offset.numpy().astype(np.int64), (last - first + 1).numpy().astype(np.int64)
+
+
+def rank_features(layout: Layout, kernel_cost: KernelCost = DEFAULT_KERNEL_COST) -> list[dict[str, int]]:
+    """Per rank, the sums over its query runs of `KernelCost.run_features` (what calibration fits on)."""
+    out = []
+    for r in range(layout.cp_size):
+        features = kernel_cost.run_features(*rank_runs(layout, r))
+        out.append({name: int(value.sum()) for name, value in features.items()})
+    return out
+
+
+def rank_cost(layout: Layout, kernel_cost: KernelCost = DEFAULT_KERNEL_COST) -> list[float]:
+    """Per rank, predicted local attention cost: per_call + its runs' costs (units of one full tile; `KernelCost`)."""
+    return [kernel_cost.per_call + float(kernel_cost.run_cost(*rank_runs(layout, r)).sum()) for r in range(layout.cp_size)]
+
+
+def ideal_cost(layout: Layout, kernel_cost: KernelCost = DEFAULT_KERNEL_COST) -> float:
+    """What one rank would spend on the whole pack (every segment one run), divided by G: the ideal per rank."""
+    lengths = layout.segments.boundaries.diff().numpy().astype(np.int64)
+    return (kernel_cost.per_call + float(kernel_cost.run_cost(0, lengths).sum())) / layout.cp_size
 
 
 def split_documents(layout: Layout) -> int:
@@ -38,6 +69,8 @@ class LayoutCost:
     the backward receives as many for allgather, and each rank's sent rows for a2a)."""
 
     work: list[int]  # block-causal query-key pairs
+    cost: list[float]  # predicted kernel cost (`KernelCost`, units of one full tile)
+    ideal: float  # the whole pack's cost on one rank / G (no run split)
     tokens: list[int]  # real (non-padding) rows
     allgather_bytes: list[int]  # every rank's rows to every rank
     a2a_bytes: list[int]  # exactly the needed remote rows (`exchange_plan`)
@@ -50,16 +83,34 @@ class LayoutCost:
         mean = sum(self.work) / len(self.work)
         return max(self.work) / mean if mean else 1.0
 
+    @property
+    def cost_imbalance(self) -> float:
+        """max / mean of the predicted `cost`."""
+        mean = sum(self.cost) / len(self.cost)
+        return max(self.cost) / mean if mean else 1.0
+
+    @property
+    def over_ideal(self) -> float:
+        """max predicted cost / `ideal`: the prediction of `bench ranks`' max_over_ideal (splits included)."""
+        return max(self.cost) / self.ideal if self.ideal else 1.0
+
 
 def layout_cost(
-    layout: Layout, kv_heads: int = 8, head_dim_k: int = 128, head_dim_v: int = 128, bytes_per_element: int = 2
+    layout: Layout,
+    kv_heads: int = 8,
+    head_dim_k: int = 128,
+    head_dim_v: int = 128,
+    bytes_per_element: int = 2,
+    kernel_cost: KernelCost = DEFAULT_KERNEL_COST,
 ) -> LayoutCost:
-    """Per-rank work, tokens and K/V bytes of `layout`; the defaults are 8 kv heads of dim 128 in bf16."""
+    """Per-rank work, predicted cost, tokens and K/V bytes of `layout`; the defaults are 8 kv heads of dim 128 in bf16."""
     row_bytes = kv_row_bytes(kv_heads, head_dim_k, head_dim_v, bytes_per_element)
     plan = plan_exchange(layout)
     ranks = range(layout.cp_size)
     return LayoutCost(
         work=rank_work(layout).tolist(),
+        cost=rank_cost(layout, kernel_cost),
+        ideal=ideal_cost(layout, kernel_cost),
         tokens=layout.real_tokens_per_rank(),
         allgather_bytes=[plan.bytes_per_layer("allgather", r, row_bytes).forward for r in ranks],
         a2a_bytes=[plan.bytes_per_layer("a2a", r, row_bytes).forward for r in ranks],

@@ -1,7 +1,7 @@
 """Layouts: which padded-pack position every local row of every CP rank holds.
 
-A layout strategy is a function `(segment boundaries [n+1], cp_size, tolerance) -> slot
-positions [G, L]` registered under a name (`register_layout_strategy`): "contiguous" chunks
+A layout strategy is a function `(segment boundaries [n+1], cp_size, tolerance, kernel_cost)
+-> slot positions [G, L]` registered under a name (`register_layout_strategy`): "contiguous" chunks
 and "balanced" (`planning.balance`) ship here. Whatever the strategy, every rank holds
 exactly L = S_pad / G rows in increasing pack order (`plan_rank` relies on that), and
 documents are independent, so any such assignment is exact.
@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from .kernel_cost import DEFAULT_KERNEL_COST, KernelCost
 from .segments import (
     Segments,
     document_ids_from_lengths,
@@ -31,8 +32,8 @@ from .segments import (
 
 DEFAULT_TOLERANCE = 0.05
 
-# name -> (boundaries [n_segments + 1], cp_size, tolerance) -> slot positions [G, L]
-LayoutStrategy = Callable[[torch.Tensor, int, float], torch.Tensor]
+# name -> (boundaries [n_segments + 1], cp_size, tolerance, kernel_cost) -> slot positions [G, L]
+LayoutStrategy = Callable[[torch.Tensor, int, float, KernelCost], torch.Tensor]
 _STRATEGIES: dict[str, LayoutStrategy] = {}
 
 
@@ -46,7 +47,9 @@ def layout_strategies() -> tuple[str, ...]:
     return tuple(_STRATEGIES)
 
 
-def contiguous_slot_positions(boundaries: torch.Tensor, cp_size: int, tolerance: float = DEFAULT_TOLERANCE) -> torch.Tensor:
+def contiguous_slot_positions(
+    boundaries: torch.Tensor, cp_size: int, tolerance: float = DEFAULT_TOLERANCE, kernel_cost: KernelCost = DEFAULT_KERNEL_COST
+) -> torch.Tensor:
     """Rank r holds rows `[r·L, (r+1)·L)`: fewest split documents, least communication."""
     s_pad = int(boundaries[-1])
     return torch.arange(s_pad).view(cp_size, s_pad // cp_size)
@@ -142,6 +145,7 @@ def plan_layout(
     *,
     seq_len: int | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
+    kernel_cost: KernelCost | None = None,
 ) -> Layout:
     """Plan which padded-pack positions every CP rank holds.
 
@@ -150,9 +154,10 @@ def plan_layout(
     and padded with id 0 up to `seq_len` if given). The pack is then padded to a multiple of 2·G.
 
     strategy "contiguous": rank r holds rows `[r·L, (r+1)·L)`. "balanced": each rank's
-    attention work is within `tolerance` of the mean where the pack allows it (algorithm,
-    cost and bound in `planning.balance`); it equals the contiguous layout whenever that is
-    already balanced. Other strategies can be added with `register_layout_strategy`.
+    predicted attention cost (`kernel_cost`, default `DEFAULT_KERNEL_COST`; `PAIR_COUNT`
+    balances allowed pairs) is within `tolerance` of the ideal where the pack allows it
+    (algorithm and bound in `planning.balance`); it equals the contiguous layout whenever
+    that is already balanced. Other strategies can be added with `register_layout_strategy`.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
@@ -160,13 +165,16 @@ def plan_layout(
         raise ValueError(f"strategy={strategy!r} is not supported; accepted values: {', '.join(_STRATEGIES)}")
     if not tolerance > 0:
         raise ValueError(f"tolerance must be > 0; got {tolerance!r}")
+    kernel_cost = DEFAULT_KERNEL_COST if kernel_cost is None else kernel_cost
+    if not isinstance(kernel_cost, KernelCost):
+        raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(kernel_cost).__name__}")
     ids = _pack_document_ids(documents, seq_len)
     validate_document_ids(ids)
     seq_len = ids.numel()
     s_pad = padded_length(seq_len, cp_size)
     padded = torch.cat([ids, torch.zeros(s_pad - seq_len, dtype=torch.long)])
     segments = Segments.from_document_ids(padded)
-    slots = _STRATEGIES[strategy](segments.boundaries, cp_size, tolerance)
+    slots = _STRATEGIES[strategy](segments.boundaries, cp_size, tolerance, kernel_cost)
     if tuple(slots.shape) != (cp_size, s_pad // cp_size):
         raise AssertionError(f"layout strategy {strategy!r} returned shape {tuple(slots.shape)}, expected {(cp_size, s_pad // cp_size)}")
     return Layout(strategy, cp_size, seq_len, s_pad, slots, padded, segments)

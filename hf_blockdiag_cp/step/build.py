@@ -19,9 +19,11 @@ from ..comm import agree, check_group_usable, group_spans_nodes, resolve_cp_grou
 from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
+    DEFAULT_KERNEL_COST,
     EXCHANGE_KINDS,
     NEEDED_ONLY,
     ExchangePlan,
+    KernelCost,
     Layout,
     choose_exchange,
     needed_rank_plan,
@@ -85,6 +87,20 @@ def build_step(
     )
 
 
+def layout_kernel_cost(config: CPConfig) -> KernelCost:
+    """The cost model the balanced layout uses: `config.kernel_cost`, else the named kernel's
+    calibrated cost (`KernelRecord.cost`), else the default. `auto` resolves per device and
+    dtype, which the host-side shard step does not know, so it takes the default. Every rank
+    derives the same value from the same config (the layout is part of the pack fingerprint)."""
+    if config.kernel_cost is not None:
+        return config.kernel_cost
+    if config.attn_backend != "auto":
+        cost = get_kernel(config.attn_backend).cost
+        if cost is not None:
+            return cost
+    return DEFAULT_KERNEL_COST
+
+
 @dataclass(frozen=True)
 class StepAgreement:
     """What the ranks of one CP group compare before the first collective of a step (I5)."""
@@ -103,7 +119,7 @@ def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id,
     if SHARD_KEY not in batch:
         return shard_batch(
             batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy or config.layout,
-            config.balance_tolerance,
+            config.balance_tolerance, layout_kernel_cost(config),
         )
     info = batch[SHARD_KEY]
     if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):

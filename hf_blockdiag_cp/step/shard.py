@@ -19,6 +19,7 @@ import torch
 from ..comm.consensus import checksum
 from ..planning import (
     DEFAULT_TOLERANCE,
+    KernelCost,
     Layout,
     document_ids_from_cu_seqlens,
     document_ids_from_position_ids,
@@ -164,10 +165,11 @@ def shard_batch(
     shard_primary: bool = True,
     strategy: str = "contiguous",
     tolerance: float = DEFAULT_TOLERANCE,
+    kernel_cost: KernelCost | None = None,
 ) -> dict:
     """Pure shard step (no process group): the local batch of rank `cp_rank` of `cp_size`.
 
-    `strategy` / `tolerance` pick the layout (`plan_layout`). The result carries a
+    `strategy` / `tolerance` / `kernel_cost` pick the layout (`plan_layout`). The result carries a
     `ShardInfo` under `SHARD_KEY`, so `make_cp_blockdiag_batch_and_ctx` accepts it as is;
     this is what lets a collator shard inside DataLoader worker processes.
     """
@@ -186,7 +188,7 @@ def shard_batch(
         loss_mask = _row({"loss_mask": loss_mask}, "loss_mask", seq_len)
         if labels is None:
             raise ValueError("loss_mask was given without labels")
-    layout = plan_layout(ids, cp_size, strategy, tolerance=tolerance)
+    layout = plan_layout(ids, cp_size, strategy, tolerance=tolerance, kernel_cost=kernel_cost)
     s_pad = layout.padded_seq_len
     padded_ids = layout.document_ids
     slots = layout.slot_positions[cp_rank]

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.planning import layout_strategies, plan_layout
+from hf_blockdiag_cp.planning import PAIR_COUNT, layout_strategies, plan_layout
 
 LAYOUT_STRATEGIES = layout_strategies()
 
@@ -36,7 +36,7 @@ def headtail_layout(ids: torch.Tensor, cp_size: int):
 
 
 def make_layout(ids, cp_size, kind):
-    return headtail_layout(ids, cp_size) if kind == "headtail" else plan_layout(ids, cp_size, kind)
+    return headtail_layout(ids, cp_size) if kind == "headtail" else plan_layout(ids, cp_size, kind, kernel_cost=PAIR_COUNT)
 
 
 LAYOUT_KINDS = tuple(LAYOUT_STRATEGIES) + ("headtail",)

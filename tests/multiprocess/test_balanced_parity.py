@@ -11,7 +11,7 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.step import STEP_KWARG, document_ids_of
 from hf_blockdiag_cp.planning import plan_exchange
-from hf_blockdiag_cp.planning import plan_layout
+from hf_blockdiag_cp.planning import PAIR_COUNT, plan_layout
 from helpers.packs import make_pack
 from helpers.parity import FAMILIES, TOL, parity_case
 
@@ -25,7 +25,8 @@ EXCHANGES = ("allgather", "a2a", "halo")
 def balanced_and_contiguous(pack: str, world_size: int):
     _, batch = make_pack(pack, world_size)
     ids = document_ids_of(batch, batch["input_ids"].shape[1])
-    return plan_layout(ids, world_size, "balanced"), plan_layout(ids, world_size, "contiguous")
+    # PAIR_COUNT: these packs fit in one 128-token tile, where the default kernel cost keeps them contiguous.
+    return plan_layout(ids, world_size, "balanced", kernel_cost=PAIR_COUNT), plan_layout(ids, world_size, "contiguous")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -39,7 +40,7 @@ def test_balanced_layouts_are_really_permuted(world_size):
 def exchange_case(rank, world_size, group, pack, exchange):
     """The exchange a balanced step actually runs for a configured name (halo falls back when invalid)."""
     _, batch = make_pack(pack, world_size)
-    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, kernel_cost=PAIR_COUNT)
     _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced", config=config)
     return local[STEP_KWARG].kv_exchange, layout.strategy
 

@@ -1,6 +1,7 @@
 """Balanced layouts (docs/layouts.md, "The balanced strategy"): validity, predicted work against
 an independent dense-mask count, and balance against contiguous chunks and the planner's stated
-bound, over random packs."""
+bound, over random packs. The pair-count guarantees are checked with `PAIR_COUNT` (the balanced
+strategy then balances allowed pairs); `test_kernel_cost.py` checks the default kernel cost."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.planning import layout_cost, rank_work
+from hf_blockdiag_cp.planning import PAIR_COUNT, layout_cost, rank_work
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 TOLERANCE = 0.05
@@ -88,7 +89,7 @@ def test_balanced_small_packs_against_dense_mask(lengths, cp_size, extra_pad, mi
     if middle_pad and len(lengths) > 1:  # a padding run between documents (attention_mask zeros)
         cut = lengths[0]
         ids = torch.cat([ids[:cut], torch.zeros(middle_pad, dtype=torch.long), ids[cut:]])
-    layout = plan_layout(ids, cp_size, "balanced")
+    layout = plan_layout(ids, cp_size, "balanced", kernel_cost=PAIR_COUNT)
     check_valid(layout, cp_size, ids.numel())
     contiguous = plan_layout(ids, cp_size, "contiguous")
     cost = layout_cost(layout)
@@ -106,7 +107,7 @@ def test_balanced_small_packs_against_dense_mask(lengths, cp_size, extra_pad, mi
 @settings(max_examples=100, deadline=None)
 @given(lengths=lengths_large, cp_size=cp_sizes, extra_pad=st.integers(0, 100))
 def test_balanced_large_packs_meet_tolerance(lengths, cp_size, extra_pad):
-    layout = plan_layout(lengths, cp_size, "balanced", seq_len=sum(lengths) + extra_pad)
+    layout = plan_layout(lengths, cp_size, "balanced", seq_len=sum(lengths) + extra_pad, kernel_cost=PAIR_COUNT)
     check_valid(layout, cp_size, sum(lengths) + extra_pad)
     work = rank_work(layout).tolist()
     assert work == reference_work(padded_ids(layout), layout.slot_positions)
@@ -120,7 +121,7 @@ def test_balanced_large_packs_meet_tolerance(lengths, cp_size, extra_pad):
 @pytest.mark.parametrize("cp_size", [2, 3, 4, 8, 16])
 def test_one_long_document_is_zigzagged_exactly(cp_size):
     n = 4 * cp_size * 100
-    layout = plan_layout([n], cp_size, "balanced")
+    layout = plan_layout([n], cp_size, "balanced", kernel_cost=PAIR_COUNT)
     work = layout_cost(layout).work
     assert len(set(work)) == 1, work  # head-tail: every rank the same work
     contiguous = layout_cost(plan_layout([n], cp_size, "contiguous")).work
@@ -135,7 +136,7 @@ def test_balanced_keeps_contiguous_when_already_balanced():
 def test_one_long_document_plus_short_ones_keeps_short_ones_whole():
     rng = np.random.default_rng(0)
     lengths = [65536] + fill(rng, 65536)
-    layout = plan_layout(lengths, 4, "balanced")
+    layout = plan_layout(lengths, 4, "balanced", kernel_cost=PAIR_COUNT)
     cost = layout_cost(layout)
     assert cost.imbalance <= 1 + TOLERANCE
     assert cost.split_documents <= 8, cost.split_documents  # the long one plus a few cut to fill rows exactly
@@ -152,7 +153,7 @@ def fill(rng, total: int) -> list[int]:
 
 def test_token_granularity_limit():
     """[3, 1] at G = 2: rows of 2 force works {3+1 | 1+2} or worse; the best is 4 vs 3 (1.14)."""
-    layout = plan_layout([3, 1], 2, "balanced")
+    layout = plan_layout([3, 1], 2, "balanced", kernel_cost=PAIR_COUNT)
     assert sorted(layout_cost(layout).work) == [3, 4]
 
 

@@ -1,0 +1,133 @@
+"""The kernel cost model (`planning.kernel_cost`) against brute-force tile counts, and the balanced
+strategy under it: exact layouts, never dearer than contiguous chunks, and the predicted balance of
+the `bench ranks` scenarios (docs/layouts.md, "Cost model")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_blockdiag_cp.bench.ranks import scenario_lengths
+from hf_blockdiag_cp.planning import (
+    DEFAULT_KERNEL_COST,
+    PAIR_COUNT,
+    KernelCost,
+    layout_cost,
+    plan_layout,
+    rank_cost,
+    rank_features,
+    run_pairs,
+)
+
+from test_layout_balanced import check_valid
+
+
+def brute_tiles(offset: int, length: int, tile_q: int, tile_k: int) -> int:
+    """Blocks (query row // tile_q, key // tile_k) holding an allowed pair: query i sees keys 0 .. offset + i."""
+    return len({(i // tile_q, j // tile_k) for i in range(length) for j in range(offset + i + 1)})
+
+
+def brute_rank_features(layout, rank: int, kc: KernelCost) -> dict[str, int]:
+    """Runs rebuilt in pure Python from the slot table: consecutive positions of one segment."""
+    ids = layout.document_ids.tolist()
+    starts = [0] * len(ids)
+    for p in range(1, len(ids)):
+        starts[p] = starts[p - 1] if ids[p] == ids[p - 1] else p
+    runs, prev = [], None
+    for p in layout.slot_positions[rank].tolist():
+        if prev is not None and p == prev + 1 and starts[p] == starts[prev]:
+            runs[-1][1] += 1
+        else:
+            runs.append([p - starts[p], 1])
+        prev = p
+    return {
+        "runs": len(runs),
+        "tiles": sum(brute_tiles(a, q, kc.tile_q, kc.tile_k) for a, q in runs),
+        "q_tiles": sum(-(-q // kc.tile_q) for _, q in runs),
+        "k_tiles": sum(-(-(a + q) // kc.tile_k) for a, q in runs),
+        "pairs": sum(q * (2 * a + q + 1) // 2 for a, q in runs),
+    }
+
+
+@pytest.mark.parametrize("tile_q, tile_k", [(4, 4), (3, 5), (5, 3), (2, 8), (8, 2), (1, 1), (7, 7)])
+def test_run_tiles_match_brute_force(tile_q, tile_k):
+    kc = KernelCost(tile_q=tile_q, tile_k=tile_k)
+    offsets, lengths = np.meshgrid(np.arange(0, 23), np.arange(0, 30), indexing="ij")
+    got = kc.run_tiles(offsets.ravel(), lengths.ravel())
+    want = [brute_tiles(int(a), int(q), tile_q, tile_k) for a, q in zip(offsets.ravel(), lengths.ravel())]
+    assert got.tolist() == want
+
+
+def test_pair_count_is_pairs():
+    offsets, lengths = np.arange(50), np.arange(1, 51)[::-1]
+    assert PAIR_COUNT.run_cost(offsets, lengths).tolist() == run_pairs(offsets, lengths).tolist()
+    assert PAIR_COUNT.splits_are_free and not DEFAULT_KERNEL_COST.splits_are_free
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=8), cp_size=st.integers(1, 4),
+       strategy=st.sampled_from(["contiguous", "balanced"]))
+def test_rank_features_against_brute_force(lengths, cp_size, strategy):
+    kc = KernelCost(tile_q=4, tile_k=8, per_run=3.0, per_q_tile=0.5, per_k_tile=0.25, per_call=7.0)
+    layout = plan_layout(lengths, cp_size, strategy, kernel_cost=kc)
+    check_valid(layout, cp_size, sum(lengths))
+    features = rank_features(layout, kc)
+    assert features == [brute_rank_features(layout, r, kc) for r in range(cp_size)]
+    expected = [kc.per_call + kc.per_tile * f["tiles"] + kc.per_run * f["runs"] + kc.per_q_tile * f["q_tiles"]
+                + kc.per_k_tile * f["k_tiles"] for f in features]
+    assert rank_cost(layout, kc) == pytest.approx(expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9000), min_size=1, max_size=40), cp_size=st.integers(1, 8),
+       extra_pad=st.integers(0, 100))
+def test_balanced_is_exact_and_never_dearer_than_contiguous(lengths, cp_size, extra_pad):
+    seq_len = sum(lengths) + extra_pad
+    layout = plan_layout(lengths, cp_size, "balanced", seq_len=seq_len)
+    check_valid(layout, cp_size, seq_len)
+    contiguous = plan_layout(lengths, cp_size, "contiguous", seq_len=seq_len)
+    assert max(rank_cost(layout)) <= max(rank_cost(contiguous)) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("scenario", ["lognormal4k", "one_doc", "half_doc_plus_short"])
+@pytest.mark.parametrize("cp_size", [4, 8])
+def test_bench_ranks_scenarios_predicted_balanced(scenario, cp_size):
+    """The acceptance scenarios of `bench ranks` (128k tokens): predicted max/mean cost <= 1.10."""
+    lengths = scenario_lengths(scenario, 131072, 0)
+    cost = layout_cost(plan_layout(lengths, cp_size, "balanced"))
+    assert cost.cost_imbalance <= 1.10, cost.cost_imbalance
+    assert cost.over_ideal < layout_cost(plan_layout(lengths, cp_size, "balanced", kernel_cost=PAIR_COUNT)).over_ideal + 1e-9
+
+
+def test_short_documents_stay_whole():
+    """Documents that fit are not split: splitting them costs tiles and runs."""
+    lengths = [2000, 1500, 1800, 1200, 1700, 1900, 1600, 1300] * 4
+    layout = plan_layout(lengths, 4, "balanced")
+    assert layout_cost(layout).split_documents <= 4
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"tile_q": 0}, "tile_q"), ({"tile_k": 1.5}, "tile_k"), ({"per_run": -1.0}, "per_run"),
+     ({"per_tile": 0.0}, "per_tile"), ({"per_k_tile": "x"}, "per_k_tile"), ({"per_call": float("nan")}, "per_call")],
+)
+def test_bad_kernel_cost_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=f"KernelCost.{field}"):
+        KernelCost(**changes)
+
+
+def test_from_dict_round_trip_and_unknown_fields():
+    kc = KernelCost(per_run=3.5, source="test")
+    assert KernelCost.from_dict(kc.to_dict()) == kc
+    with pytest.raises(ValueError, match="unknown KernelCost fields \\['per_byte'\\]"):
+        KernelCost.from_dict({"per_byte": 1.0})
+
+
+def test_plan_layout_rejects_a_non_kernel_cost():
+    with pytest.raises(TypeError, match="kernel_cost must be a planning.KernelCost"):
+        plan_layout([5, 3], 2, "balanced", kernel_cost={"per_run": 1.0})
+    assert torch.equal(plan_layout([5, 3], 2, "balanced", kernel_cost=None).slot_positions,
+                       plan_layout([5, 3], 2, "balanced").slot_positions)
