@@ -17,7 +17,8 @@ Parts (see docs/multigpu.md for what every column means):
   e2e        fwd+bwd of the 1.2B and an 8B-class Llama config on packed batches, tokens/s per GPU, peak memory,
              largest pack that trains (doubling until OOM). Each (model, size) runs in a child process group so
              an OOM on one rank cannot leave the others inside a collective; the OOM flag is all-reduced.
-  overlap    per layer: exchange alone, local attention alone, both; exposed communication = total - attention.
+  overlap    per layer: exchange alone, local attention alone (one kernel call), both pipelined in each of
+             --overlap-chunks KV-head groups; exposed communication = total - attention alone, in % of attention.
 
 Rank 0 writes DIR/multigpu_G{G}.json and .md after every part; every rank logs to DIR/raw/rank{r}.log.
 Each part runs under try/except with an all-reduced failure flag, so one failing part does not hang the rest.
@@ -58,6 +59,8 @@ from hf_blockdiag_cp.planning import choose_exchange, plan_exchange
 from hf_blockdiag_cp.kernels import unsupported_reason
 from hf_blockdiag_cp.planning import plan_layout
 from hf_blockdiag_cp.attention import blockdiag_attention, local_attention
+from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
+from hf_blockdiag_cp.kernels import choose_kernel
 from hf_blockdiag_cp.step import CPStep, build_step
 
 REPO = Path(__file__).resolve().parents[1]
@@ -347,11 +350,11 @@ def _attn_kernels(ctx, args):
     return args.attn_kernels or (["varlen"] if ctx.cuda else ["dense"])
 
 
-def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange: str, layout: str) -> CPStep:
+def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange: str, layout: str, kv_chunks: int = 1) -> CPStep:
     lay = plan_layout(document_ids_for(lengths), G, layout)
     xplan = plan_exchange(lay) if (G > 1 and exchange != "allgather") else None
     taken = choose_exchange(exchange, xplan) if xplan is not None else "allgather"
-    step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan)
+    step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan, kv_chunks)
     if kernel == "flex" and ctx.cuda:
         from hf_blockdiag_cp.kernels.flex import block_mask
 
@@ -421,11 +424,11 @@ def part_attention(ctx: Ctx, args) -> dict:
                         rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "layout": layout,
                                      "note": "skipped: attention time budget"})
                         continue
-                    step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout)
+                    step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout, args.kv_chunks)
                     fwd, bwd = time_body(ctx, fwd_bwd_body(step, *qkv(ctx, step, s, dtype, 1 + ctx.rank)), reps, warmup)
                     per_gpu = fwd_flops / G
                     row = {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange,
-                           "layout": layout, "fwd_ms": fwd, "bwd_ms": bwd,
+                           "layout": layout, "kv_chunks": args.kv_chunks, "fwd_ms": fwd, "bwd_ms": bwd,
                            "fwd_tflops_gpu": per_gpu / (fwd * 1e-3) / 1e12, "bwd_tflops_gpu": 2.5 * per_gpu / (bwd * 1e-3) / 1e12,
                            "fwdbwd_tflops_gpu": 3.5 * per_gpu / ((fwd + bwd) * 1e-3) / 1e12}
                     if G > 1 and single[0] > 0:
@@ -442,7 +445,7 @@ def part_attention(ctx: Ctx, args) -> dict:
     return {"rows": rows, "columns": ATTENTION_COLUMNS}
 
 
-ATTENTION_COLUMNS = ["setup", "pack", "docs", "tokens", "heads", "kernel", "exchange", "exchange_taken", "layout", "fwd_ms",
+ATTENTION_COLUMNS = ["setup", "pack", "docs", "tokens", "heads", "kernel", "exchange", "exchange_taken", "layout", "kv_chunks", "fwd_ms",
                      "bwd_ms", "fwd_tflops_gpu", "bwd_tflops_gpu", "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal",
                      "fwdbwd_pct_ideal", "note"]
 
@@ -522,20 +525,23 @@ def part_overlap(ctx: Ctx, args) -> dict:
 
                     c = time_body(ctx, comm, reps, warmup)
                     a = time_body(ctx, attn, reps, warmup)
-                    t = time_body(ctx, fwd_bwd_body(step, q, k, v, dout), reps, warmup)
-                    row = {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange,
-                           "layout": layout, "comm_fwd_ms": c[0], "comm_bwd_ms": c[1], "attn_fwd_ms": a[0],
-                           "attn_bwd_ms": a[1], "total_fwd_ms": t[0], "total_bwd_ms": t[1],
-                           "exposed_fwd_ms": t[0] - a[0], "exposed_bwd_ms": t[1] - a[1],
-                           "exposed_pct_of_total": 100 * ((t[0] + t[1]) - (a[0] + a[1])) / (t[0] + t[1])}
-                    rows.append(row)
-                    ctx.log("overlap", {k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in row.items()})
+                    for chunks in args.overlap_chunks:  # the same step, pipelined in `chunks` KV-head groups
+                        step.kv_chunks = chunks
+                        t = time_body(ctx, fwd_bwd_body(step, q, k, v, dout), reps, warmup)
+                        row = {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange,
+                               "layout": layout, "kv_chunks": chunks, "comm_fwd_ms": c[0], "comm_bwd_ms": c[1],
+                               "attn_fwd_ms": a[0], "attn_bwd_ms": a[1], "total_fwd_ms": t[0], "total_bwd_ms": t[1],
+                               "exposed_fwd_ms": t[0] - a[0], "exposed_bwd_ms": t[1] - a[1],
+                               "exposed_pct_of_attn": 100 * ((t[0] + t[1]) - (a[0] + a[1])) / (a[0] + a[1]),
+                               "exposed_pct_of_total": 100 * ((t[0] + t[1]) - (a[0] + a[1])) / (t[0] + t[1])}
+                        rows.append(row)
+                        ctx.log("overlap", {k2: (round(v2, 3) if isinstance(v2, float) else v2) for k2, v2 in row.items()})
                     del step, q, k, v, ek, ev
                     if ctx.cuda:
                         torch.cuda.empty_cache()
-    cols = ["setup", "pack", "kernel", "exchange", "exchange_taken", "layout", "comm_fwd_ms", "attn_fwd_ms",
+    cols = ["setup", "pack", "kernel", "exchange", "exchange_taken", "layout", "kv_chunks", "comm_fwd_ms", "attn_fwd_ms",
             "total_fwd_ms", "exposed_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms", "exposed_bwd_ms",
-            "exposed_pct_of_total", "note"]
+            "exposed_pct_of_attn", "exposed_pct_of_total", "note"]
     return {"rows": rows, "columns": cols}
 
 
@@ -587,7 +593,8 @@ def part_e2e(ctx: Ctx, args) -> dict:
             oom, err = bool(res.get("oom")), bool(res.get("error")) and not res.get("oom")
             # consistent decision on every rank
             red = ctx.reduce([oom, err, res.get("step_s", 0), res.get("peak_gib", 0), res.get("first_s", 0)])
-            row = {"model": model, "G": G, "tokens": S, "docs": res.get("docs")}
+            row = {"model": model, "G": G, "tokens": S, "docs": res.get("docs"), "kernel": res.get("kernel"),
+                   "fused_ce": args.e2e_fused_ce, "kv_chunks": args.kv_chunks if G > 1 else None}
             if red[0]:
                 row["status"] = "OOM"
             elif red[1]:
@@ -611,7 +618,7 @@ def part_e2e(ctx: Ctx, args) -> dict:
     return {"rows": rows, "columns": E2E_COLUMNS, "largest_pack_that_trains": largest}
 
 
-E2E_COLUMNS = ["model", "G", "tokens", "docs", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
+E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "kv_chunks", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
                "per_gpu_vs_G1", "peak_gib", "note"]
 
 
@@ -627,7 +634,8 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
             env.pop(k)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--e2e-child", json.dumps({**job, "result": str(result)}),
            "--out", str(ctx.out), "--device", args.device, "--timeout-s", str(args.e2e_child_timeout_s),
-           "--steps", str(args.steps)] + (["--tiny"] if args.tiny else []) + (["--no-checkpointing"] if not args.checkpointing else [])
+           "--steps", str(args.steps), "--e2e-kernel", args.e2e_kernel, "--e2e-layout", args.e2e_layout,
+           "--kv-chunks", str(args.kv_chunks)] + (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else []) + (["--no-checkpointing"] if not args.checkpointing else [])
     with open(raw / f"{job['tag']}_rank{ctx.rank}.log", "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         t0 = time.time()
@@ -663,6 +671,14 @@ def _peer_failed(raw: Path, job: dict, rank: int) -> bool:
     return False
 
 
+def _kernel_name(step: CPStep, model) -> str:
+    """The kernel `auto` resolves to for this model's attention layers (as attention.entry chooses it)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    return choose_kernel(step.attn_backend, step.plan.q_positions.device, dtype, head_dim, head_dim, frozenset()).name
+
+
 def e2e_child(args) -> None:
     """One fwd+bwd measurement; writes a JSON result and exits without tearing the group down."""
     job = json.loads(args.e2e_child)
@@ -689,6 +705,9 @@ def e2e_child(args) -> None:
         model.to(device).train()
         if args.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.e2e_fused_ce and not enable_fused_cross_entropy(model):
+            raise RuntimeError(f"--e2e-fused-ce: {fused_cross_entropy_unavailable(model)}")
+        cp_config = bdcp.CPConfig(args.e2e_kernel, "allgather", layout=args.e2e_layout, kv_chunks=args.kv_chunks)
         S = job["tokens"]
         lengths = histogram_lengths(HIST_CSV, S, seed=0, cap_fraction=0.25)
         g = torch.Generator().manual_seed(0)
@@ -704,8 +723,9 @@ def e2e_child(args) -> None:
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig("auto", "allgather"))
-            with train_ctx():
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=cp_config)
+            with train_ctx() as step:
+                out["kernel"] = _kernel_name(step, model)
                 if fake_oom and rank == G - 1:  # testing hook: one rank fails mid-step, the others are in a collective
                     raise torch.OutOfMemoryError("MULTIGPU_FAKE_OOM_TOKENS")
                 model(**local).loss.backward()
@@ -784,7 +804,7 @@ def short_table(results: dict) -> str:
             head = "; ".join(f"{r['setup']}/{r['pack']}/{r['exchange']}/{r['layout']}: {r['fwdbwd_tflops_gpu']:.3g} TF/s/GPU"
                              + (f" {r['fwdbwd_pct_ideal']:.0f}% ideal" if r.get("fwdbwd_pct_ideal") is not None else "") for r in tot[:8])
         elif name == "overlap":
-            head = "; ".join(f"{r['setup']}/{r['exchange']}/{r['layout']}: exposed {r['exposed_pct_of_total']:.0f}%" for r in rows if "exposed_pct_of_total" in r)
+            head = "; ".join(f"{r['setup']}/{r['exchange']}/{r['layout']}/x{r.get('kv_chunks', 1)}: exposed {r['exposed_pct_of_attn']:.0f}% of attention" for r in rows if "exposed_pct_of_attn" in r)
         elif name == "e2e":
             head = "; ".join(f"{r['model']} G={r['G']} {r['tokens']}: "
                              + (f"{r['tokens_per_s_per_gpu']:.0f} tok/s/GPU {r['peak_gib']:.0f} GiB" if r.get("status") == "ok" else r["status"])
@@ -891,6 +911,13 @@ def parse_args(argv=None):
     p.add_argument("--e2e-budget-s", type=float, default=480)
     p.add_argument("--e2e-child-timeout-s", type=float, default=300)
     p.add_argument("--steps", type=int, default=2, help="e2e measured steps after one warm-up step")
+    p.add_argument("--e2e-kernel", default="auto", help="e2e attention kernel (CPConfig.attn_backend)")
+    p.add_argument("--e2e-layout", default="contiguous", help="e2e layout strategy")
+    p.add_argument("--e2e-fused-ce", action="store_true", help="e2e loss: Liger's fused linear cross-entropy")
+    p.add_argument("--kv-chunks", type=int, default=bdcp.CPConfig.kv_chunks,
+                   help="KV-head groups the exchange is pipelined in (attention and e2e parts)")
+    p.add_argument("--overlap-chunks", type=int, nargs="+", default=[1, 2, 4, 8],
+                   help="overlap part: the KV-head group counts to time")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
     p.add_argument("--timeout-s", type=float, default=300, help="process-group timeout (NCCL watchdog)")
     p.add_argument("--e2e-child", default=None, help=argparse.SUPPRESS)

@@ -13,9 +13,12 @@ TOL = 1e-4
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
 
 
-def parity_case(rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous"):
+def parity_case(
+    rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous",
+    kv_chunks=bdcp.CPConfig.kv_chunks,
+):
     """For every family and with/without activation checkpointing: the worst relative error."""
-    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, kernel_cost=PAIR_COUNT)
+    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, kernel_cost=PAIR_COUNT, kv_chunks=kv_chunks)
     worst = {}
     for family, overrides in families:
         for checkpointing in (False, True):

@@ -75,6 +75,30 @@ def test_halo_straddle_three_ranks(gloo):
     _check(pool.run(parity_case, layout="straddle", exchange="halo"))
 
 
+@pytest.mark.parametrize("kv_chunks", [1, 3])
+@pytest.mark.parametrize("exchange", ["allgather", "a2a", "halo"])
+def test_pipelined_exchange_parity(gloo, exchange, kv_chunks):
+    """Any number of KV-head groups gives the stock model's loss and gradients: 4 kv heads in
+    groups (4,) or (1, 1, 2), 8 query heads (GQA 2), at G = 3 with a document over every rank."""
+    families = (("llama", {"num_key_value_heads": 4, "num_attention_heads": 8}),)
+    _check(gloo(3).run(parity_case, layout="span_all", families=families, exchange=exchange, kv_chunks=kv_chunks))
+
+
+def chunk_disagreement_case(rank, world_size, group):
+    config = bdcp.CPConfig(attn_backend="dense", kv_chunks=1 if rank == 0 else 2)
+    try:
+        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, make_pack("span_all", world_size)[1], config=config)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_disagree_on_kv_chunks_raise(gloo):
+    """Different group counts would pair different collectives across ranks: refused before any."""
+    messages = gloo(2).run(chunk_disagreement_case)
+    assert all(m is not None and "different kv_chunks" in m for m in messages), messages
+
+
 def disagreeing_config_case(rank, world_size, group):
     """Rank 0 asks for a2a, the others for allgather: every rank must raise before any exchange."""
     config = bdcp.CPConfig(attn_backend="dense", kv_exchange="a2a" if rank == 0 else "allgather")

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import EXCHANGE_KINDS, choose_exchange, needed_rank_plan, plan_exchange, rank_routes
-from hf_blockdiag_cp.planning import dense_allowed, plan_layout, plan_rank
+from hf_blockdiag_cp.planning import dense_allowed, head_groups, plan_layout, plan_rank
 from hf_blockdiag_cp.planning.segments import expand
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
 
@@ -152,3 +153,22 @@ def test_plan_input_errors():
         choose_exchange("ring", plan_exchange(layout))
     with pytest.raises(ValueError, match="exchange must be one of"):
         plan_exchange(layout).rows_per_layer("ring", 0)
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3, 5, 8, 16, 32, 64])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8, 100])
+def test_head_groups_cover_every_head_growing(heads, chunks):
+    """The pipeline's KV-head groups: every head once, min(chunks, heads) groups, none empty, sizes
+    non-decreasing (the exposed first exchange is the smallest), the last at least a third of all."""
+    sizes = head_groups(heads, chunks)
+    assert sum(sizes) == heads and len(sizes) == min(chunks, heads)
+    assert all(s >= 1 for s in sizes) and list(sizes) == sorted(sizes)
+
+
+def test_head_groups_refuse_bad_counts():
+    with pytest.raises(ValueError, match="kv_chunks must be a positive integer"):
+        head_groups(8, 0)
+    with pytest.raises(ValueError, match="kv_chunks"):
+        head_groups(8, True)
+    with pytest.raises(ValueError, match="CPConfig|kv_chunks"):
+        bdcp.CPConfig(kv_chunks=0)
