@@ -574,8 +574,9 @@ def part_e2e(ctx: Ctx, args) -> dict:
         for stale in list((ctx.out / "raw").glob("e2e_*.json")) + list((ctx.out / "raw").glob("e2e_*.done")):
             stale.unlink(missing_ok=True)
     ctx.barrier()
+    single_sizes = sorted(args.e2e_single_tokens) if args.e2e_single_tokens else sizes
     for model, G in runs:
-        for S in sizes:
+        for S in (single_sizes if G == 1 and ctx.world > 1 and not args.tiny else sizes):
             if ctx.out_of_time(deadline):
                 rows.append({"model": model, "G": G, "tokens": S, "status": "skipped: e2e time budget"})
                 break
@@ -609,17 +610,20 @@ def part_e2e(ctx: Ctx, args) -> dict:
             ctx.log("e2e", row)
             if row["status"] != "ok":
                 break
-    # per-GPU tokens/s at G vs G = 1 on the same pack
+    # per-GPU tokens/s at G vs G = 1 on the same pack, and vs G = 1 on a pack of the same tokens per GPU
     g1 = {(r["model"], r["tokens"]): r.get("tokens_per_s_per_gpu") for r in rows if r["G"] == 1 and r.get("status") == "ok"}
     for r in rows:
-        base = g1.get((r["model"], r["tokens"]))
-        if r["G"] > 1 and base and r.get("tokens_per_s_per_gpu"):
-            r["per_gpu_vs_G1"] = r["tokens_per_s_per_gpu"] / base
+        if r["G"] == 1 or not r.get("tokens_per_s_per_gpu"):
+            continue
+        for column, tokens in (("per_gpu_vs_G1", r["tokens"]), ("per_gpu_vs_G1_same_per_gpu", r["tokens"] // r["G"])):
+            base = g1.get((r["model"], tokens))
+            if base:
+                r[column] = r["tokens_per_s_per_gpu"] / base
     return {"rows": rows, "columns": E2E_COLUMNS, "largest_pack_that_trains": largest}
 
 
 E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "kv_chunks", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
-               "per_gpu_vs_G1", "peak_gib", "note"]
+               "per_gpu_vs_G1", "per_gpu_vs_G1_same_per_gpu", "peak_gib", "note"]
 
 
 def _launch_child(ctx: Ctx, args, job: dict) -> dict:
@@ -836,7 +840,8 @@ def summarize(paths: list[str], out: str) -> str:
           markdown_table(att, ["setup", "kernel", "exchange", "layout", "G", "fwd_tflops_gpu", "bwd_tflops_gpu",
                                "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal", "fwdbwd_pct_ideal"]),
           "", "## end to end", "",
-          markdown_table(e2e, ["model", "tokens", "G", "status", "step_s", "tokens_per_s_per_gpu", "per_gpu_vs_G1", "peak_gib"])]
+          markdown_table(e2e, ["model", "tokens", "G", "status", "step_s", "tokens_per_s_per_gpu", "per_gpu_vs_G1",
+                               "per_gpu_vs_G1_same_per_gpu", "peak_gib"])]
     text = "\n".join(md) + "\n"
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "scaling.md").write_text(text)
@@ -908,6 +913,7 @@ def parse_args(argv=None):
     p.add_argument("--e2e-tokens", type=int, nargs="+", default=[65536, 131072, 262144, 524288, 1048576])
     p.add_argument("--e2e-max-tokens", type=int, default=0, help="keep doubling past the list up to this size (until OOM)")
     p.add_argument("--e2e-single", action="store_true", help="also run G = 1 on rank 0's GPU for the per-GPU comparison")
+    p.add_argument("--e2e-single-tokens", type=int, nargs="*", default=None, help="G = 1 pack sizes (default: --e2e-tokens)")
     p.add_argument("--e2e-budget-s", type=float, default=480)
     p.add_argument("--e2e-child-timeout-s", type=float, default=300)
     p.add_argument("--steps", type=int, default=2, help="e2e measured steps after one warm-up step")

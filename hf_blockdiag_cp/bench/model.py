@@ -173,7 +173,7 @@ def run(args, report=lambda result: None) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id or local path of a config; default: 1.2B Llama-architecture config")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 32768, 65536])
+    p.add_argument("--seq-lens", type=int, nargs="*", default=[16384, 32768, 65536], help="none: only the --fit-methods search")
     p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
     p.add_argument("--fit-methods", nargs="*", default=[])
     p.add_argument("--fit-lens", type=int, nargs="*", default=[131072, 262144, 524288, 786432])
