@@ -7,8 +7,9 @@
 #   2  carry .fa4b:  source .fa4b/activate.sh && PHASE=2 bash benchmarks/run_x2_session.sh
 #      GPU 0: `bench kernels` (fa4, varlen; 32k at seeds 0-3, 128k), HF flex + fused CE at 512k;
 #      GPU 1: `bench model` 16k ours (auto) vs HF flex, then `bench ranks --calibrate` (fa4)
+#   1b (no FA4 needed) PHASE=1b: the attention part again at the default kv_chunks (1)
 #   3  carry .fa4b:  source .fa4b/activate.sh && PHASE=3 E2E_LAYOUT=... bash benchmarks/run_x2_session.sh
-#      multigpu.py e2e (1.2B, fa4 via auto, fused CE) at G = 1 and 2 up to 1M tokens, attention with fa4;
+#      multigpu.py e2e (1.2B, fa4 via auto, fused CE) at G = 1 and 2 up to 1M tokens;
 #      then the FA4 / Liger GPU tests
 # Everything lands in $OUT/results.tgz (a call returns only a few files).
 set -uo pipefail
@@ -30,6 +31,9 @@ case "$PHASE" in
       --reps 2 --calibrate --out "$W/ranks_varlen" ) >"$W/ranks_varlen.log" 2>&1 &
   ( export CUDA_VISIBLE_DEVICES=1; timeout 230 python3 -m pytest -q -p no:cacheprovider tests/gpu ) >"$W/gpu_tests_phase1.log" 2>&1 &
   wait ;;
+1b)
+  timeout 200 bash -c "$(declare -f mg); mg --out $W/g2_attention --parts attention --kv-chunks 1 --attention-budget-s 150" \
+      >"$W/g2_attention.log" 2>&1 ;;
 2)
   ( export CUDA_VISIBLE_DEVICES=0
     for seed in 0 1 2 3; do bench kernels --seq-lens 32768 --backends varlen fa4 --dense-max-len 0 --reps 6 --seed $seed --out "$W/kernels_32k_seed$seed"; done
@@ -42,12 +46,15 @@ case "$PHASE" in
     timeout 150 python3 -m hf_blockdiag_cp.bench ranks --backend fa4 --cp-sizes 4 8 --reps 2 --calibrate --out "$W/ranks_fa4" ) >"$W/lane1.log" 2>&1 &
   wait ;;
 3)
-  timeout 420 bash -c "$(declare -f mg); mg --out $W/g2_fa4 --parts e2e,attention --e2e-models 1.2b --e2e-fused-ce \
+  timeout 380 bash -c "$(declare -f mg); mg --out $W/g2_fa4 --parts e2e --e2e-models 1.2b --e2e-fused-ce \
       --e2e-layout ${E2E_LAYOUT:-contiguous} --e2e-tokens 131072 1048576 --e2e-single --e2e-single-tokens 65536 524288 \
-      --e2e-budget-s 330 --attn-kernels fa4 --attention-budget-s 60" >"$W/g2_fa4.log" 2>&1
+      --e2e-budget-s 330" >"$W/g2_fa4.log" 2>&1
   ( export CUDA_VISIBLE_DEVICES=0; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fa4_fused_ce.py tests/gpu/test_trainer_liger.py ) \
       >"$W/gpu_tests_fa4_liger.log" 2>&1
   ;;
+4)  # ours (auto) vs HF flex at 16k alone on GPU 0 (timing-sensitive: nothing else runs)
+  ( export CUDA_VISIBLE_DEVICES=0; timeout 400 python3 -m hf_blockdiag_cp.bench model --methods blockdiag_cp/auto hf_flex \
+      --seq-lens 16384 --block-steps 4 --rounds 2 --one-block --out "$W/model_16k_alone" ) >"$W/model_16k_alone.log" 2>&1 ;;
 esac
 for f in "$W"/*.log; do echo "=== $f"; grep -E "^\||passed|failed|error|Error|largest|^E " "$f" | tail -25; done
 tar -czf "$OUT/results_phase$PHASE.tgz" -C "$W" .

@@ -16,7 +16,7 @@ from .kernels import canonical_kernel_name
 from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, KernelCost, layout_strategies
 
 KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
-DEFAULT_KV_CHUNKS = 4  # measured at G = 2 (docs/performance.md, "Overlapped exchange")
+DEFAULT_KV_CHUNKS = 1  # measured at G = 2: more groups were slower at every measured size (docs/performance.md)
 
 _EXCHANGE_SYNONYMS = {
     "auto": "auto",
