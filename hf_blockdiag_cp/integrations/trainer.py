@@ -594,10 +594,30 @@ class BlockdiagCPTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Add the callback's token metrics to every training log."""
+        """Add the callback's token metrics to every training log; average the final `train_loss`."""
         if "loss" in logs:
             logs.update(self.cp_callback.pop_metrics())
+        if "train_loss" in logs:
+            # The Trainer adds the loss of steps not yet logged as this rank's own value (the logged
+            # ones are means over processes). Under CP a rank's loss is its shard's share, so the
+            # mean over every rank is the loss of the whole packs; every rank logs this once.
+            logs["train_loss"] = self._mean_over_world(float(logs["train_loss"]))
         super().log(logs, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        """The stock `train`; its returned `training_loss` is the averaged `train_loss` (see `log`)."""
+        output = super().train(*args, **kwargs)
+        if "train_loss" in output.metrics:
+            output = output._replace(training_loss=output.metrics["train_loss"])
+        return output
+
+    def _mean_over_world(self, value: float) -> float:
+        group = _world_group(self.cp_coordinates.world_size)
+        if group is None:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=collective_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        return float(t.item()) / self.cp_coordinates.world_size
 
 
 class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):

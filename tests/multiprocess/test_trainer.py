@@ -94,8 +94,9 @@ def _quiet(trainer: Trainer) -> Trainer:
     return trainer
 
 
-def _outcome(trainer: Trainer, initial: dict) -> dict:
+def _outcome(trainer: Trainer, initial: dict, output=None) -> dict:
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    final = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
     weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
     return {
         "losses": [h["loss"] for h in logs],
@@ -103,6 +104,7 @@ def _outcome(trainer: Trainer, initial: dict) -> dict:
         "logs": logs,
         "weights": weights,
         "initial": initial,
+        "train_loss": (output.training_loss if output is not None else None, final[-1] if final else None),
     }
 
 
@@ -139,8 +141,8 @@ def reference_case(rank, world_size, group):
         model = tiny_model("sdpa")
         initial = {k: v.clone() for k, v in model.state_dict().items()}
         trainer = _ReferenceTrainer(model=model, args=training_args(out, PACKS_PER_STEP), packs=reference_packs(train_docs()))
-        _quiet(trainer).train()
-        return _outcome(trainer, initial)
+        output = _quiet(trainer).train()
+        return _outcome(trainer, initial, output)
 
 
 # --------------------------------------------------------------------------- block-diagonal CP runs
@@ -158,8 +160,8 @@ def cp_case(rank, world_size, group, cp_size, arg_overrides):
             cp_size=cp_size,
             max_tokens=MAX_TOKENS,
         )
-        _quiet(trainer).train()
-        return _outcome(trainer, initial)
+        output = _quiet(trainer).train()
+        return _outcome(trainer, initial, output)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +200,18 @@ def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg
         last = got["logs"][-1]
         per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
+
+
+def test_final_train_loss_is_the_loss_of_the_whole_pack(gloo, reference):
+    """Steps not yet logged when training ends enter `train_loss` too: under CP that remainder must
+    be averaged over the ranks like the logged losses, or each rank reports its own shard's loss."""
+    results = gloo(2).run(cp_case, timeout=180, cp_size=2, arg_overrides={"logging_steps": STEPS + 1})
+    want, _ = reference["train_loss"]
+    for rank, got in enumerate(results):
+        returned, logged = got["train_loss"]
+        assert not got["losses"], "the case must log no step loss before the end"
+        for what, value in (("returned", returned), ("logged", logged)):
+            assert abs(value - want) <= LOSS_TOL * abs(want), f"rank {rank}: {what} train_loss {value} vs reference {want}"
 
 
 # --------------------------------------------------------------------------- setup checks
