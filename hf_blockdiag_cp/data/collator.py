@@ -15,6 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
+from ..config import CPConfig
+from ..step.build import layout_kernel_cost
 from ..step.shard import IGNORE_INDEX, shard_batch
 
 OVERSIZE_POLICIES = ("split", "reject")
@@ -50,7 +52,8 @@ class BlockdiagCPCollator:
       documents, `"reject"` raises. The pieces must still fit the one pack, so a sampler that
       may meet long documents must give each piece its own pack (`PackedBatchSampler` does).
     - `cp_rank` set: return `shard_batch(pack, cp_size, cp_rank)`, this rank's local batch,
-      which `make_cp_blockdiag_batch_and_ctx` accepts as is.
+      which `make_cp_blockdiag_batch_and_ctx` accepts as is, laid out by `cp_config`'s layout
+      (default: contiguous chunks).
 
     Keys other than `input_ids` and `labels` are ignored.
     """
@@ -62,8 +65,11 @@ class BlockdiagCPCollator:
         cp_size: int = 1,
         cp_rank: int | None = None,
         oversize: str = "split",
+        cp_config: CPConfig | None = None,
     ):
         _positive_int("max_tokens", max_tokens)
+        if cp_config is not None and not isinstance(cp_config, CPConfig):
+            raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
         _positive_int("cp_size", cp_size)
         if max_tokens % (2 * cp_size):
             raise ValueError(
@@ -77,6 +83,7 @@ class BlockdiagCPCollator:
             raise ValueError(f"oversize must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}; got {oversize!r}")
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
+        self.cp_config = cp_config
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.oversize = oversize
@@ -143,4 +150,10 @@ class BlockdiagCPCollator:
         full = self.pack(examples)
         if self.cp_rank is None:
             return full
-        return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id)
+        if self.cp_config is None:
+            return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id)
+        config = self.cp_config
+        return shard_batch(
+            full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, strategy=config.layout,
+            tolerance=config.balance_tolerance, kernel_cost=layout_kernel_cost(config),
+        )

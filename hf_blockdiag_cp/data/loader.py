@@ -271,16 +271,18 @@ def packed_dataloader(
     drop_last: bool = False,
     length_key: str = "input_ids",
     lengths: Sequence[int] | None = None,
+    cp_config=None,
 ) -> PackedDataLoader:
     """One pack per batch for this rank: `PackedBatchSampler` + `BlockdiagCPCollator`.
 
     `dataset`: a `datasets.Dataset`, a list of dicts, or any map-style dataset of dicts with
     `input_ids` (and optional `labels`). Lengths are read from `length_key` unless `lengths`
     is given. With `cp_rank` set, batches are already sharded for that CP rank (in the
-    worker processes when `num_workers > 0`). Get coordinates from `dp_cp_coordinates`.
+    worker processes when `num_workers > 0`), laid out by `cp_config`'s layout (a `CPConfig`;
+    default: contiguous chunks). Get coordinates from `dp_cp_coordinates`.
     Do not pass the result through `accelerator.prepare`: that would re-shard its batches.
     """
-    collator = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, oversize)
+    collator = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, oversize, cp_config)
     if lengths is None:
         lengths = dataset_lengths(dataset, length_key)
     elif len(lengths) != len(dataset):

@@ -42,7 +42,9 @@ from ..comm.consensus import agree, collective_device
 from ..comm.exchange import all_gather_single
 from ..data.collator import BlockdiagCPCollator
 from ..data.loader import dp_cp_coordinates, packed_dataloader
+from ..config import CPConfig, default_config
 from ..step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
+from ..step.build import layout_kernel_cost
 from .transformers import ATTN_IMPLEMENTATION
 
 __all__ = [
@@ -297,6 +299,8 @@ class BlockdiagCPTrainerMixin:
       max_tokens: tokens per pack (required; a multiple of 2*cp_size).
       cp_mesh: optional 1-D DeviceMesh or ProcessGroup of this rank's CP group; it must hold ranks
         [dp*cp_size, (dp+1)*cp_size). Default: built with `init_device_mesh(..., ("dp", "cp"))`.
+      cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
+        default, `configure_cp`). Its layout shards training and evaluation packs.
       pad_token_id, packing_buffer_size, oversize ("split"|"reject"), shuffle, length_key:
         packing options of `hf_blockdiag_cp.data.packed_dataloader`.
     Do not pass `data_collator`: training batches come from the packed dataloader.
@@ -311,6 +315,7 @@ class BlockdiagCPTrainerMixin:
         cp_size: int = 1,
         max_tokens: int | None = None,
         cp_mesh=None,
+        cp_config: CPConfig | None = None,
         pad_token_id: int = 0,
         packing_buffer_size: int = 1024,
         oversize: str = "split",
@@ -326,6 +331,9 @@ class BlockdiagCPTrainerMixin:
                 "data_collator must not be given to a BlockdiagCP Trainer: training batches come from its own packing "
                 "collator and sampler (set max_tokens, pad_token_id, oversize instead)"
             )
+        if cp_config is not None and not isinstance(cp_config, CPConfig):
+            raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
+        self._cp_config = cp_config
         self.cp_callback = BlockdiagCPCallback(cp_size)
         self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
         self.packing.validate(cp_size)
@@ -429,6 +437,7 @@ class BlockdiagCPTrainerMixin:
             oversize=p.oversize,
             drop_last=drop_last,
             length_key=p.length_key,
+            cp_config=self.cp_config,
         )
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -507,7 +516,7 @@ class BlockdiagCPTrainerMixin:
                 for j, (batch, repeat) in enumerate(zip(loader, repeats)):
                     inputs = self._prepare_inputs(self._local_batch(batch))
                     train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
-                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id
+                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
                     )
                     local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
                     with train_ctx():
@@ -538,12 +547,21 @@ class BlockdiagCPTrainerMixin:
             f"{prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
         }
 
+    @property
+    def cp_config(self) -> CPConfig:
+        """The `CPConfig` given at construction, else the process default at the time of the call."""
+        return self._cp_config if self._cp_config is not None else default_config()
+
     def _local_batch(self, batch: dict) -> dict:
-        """A batch sharded for this CP rank: as given if the collator already did it, else the pure shard step."""
+        """A batch sharded for this CP rank: as given if the collator already did it, else the pure
+        shard step with the configured layout."""
         if SHARD_KEY in batch:
             return batch
-        c = self.cp_coordinates
-        return shard_batch(batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id)
+        c, config = self.cp_coordinates, self.cp_config
+        return shard_batch(
+            batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id, strategy=config.layout,
+            tolerance=config.balance_tolerance, kernel_cost=layout_kernel_cost(config),
+        )
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, torch.Tensor | None]:
         """The micro-batches of one optimizer step and N = their targets summed over every rank (one all-reduce)."""
@@ -575,7 +593,9 @@ class BlockdiagCPTrainerMixin:
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None):
         """Shard step, then the stock step (forward + backward) inside the step context."""
         inputs = self._prepare_inputs(self._local_batch(inputs))
-        train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id)
+        train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+            self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+        )
         with train_ctx():
             return super().training_step(model, local, num_items_in_batch)
 

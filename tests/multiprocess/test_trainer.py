@@ -22,10 +22,12 @@ import pytest
 import torch
 from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
 
-import hf_blockdiag_cp as bdcp  # noqa: F401 - registers "blockdiag_cp"
+import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
+from hf_blockdiag_cp.planning import PAIR_COUNT
+from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
 from helpers.trainer import tiny_model
 
@@ -148,8 +150,10 @@ def reference_case(rank, world_size, group):
 # --------------------------------------------------------------------------- block-diagonal CP runs
 
 
-def cp_case(rank, world_size, group, cp_size, arg_overrides):
+def cp_case(rank, world_size, group, cp_size, arg_overrides, balanced=False):
     dp_size = world_size // cp_size
+    # PAIR_COUNT: the tiny packs fit in one kernel tile, where the default cost keeps contiguous chunks.
+    cp_config = bdcp.CPConfig("dense", layout="balanced", kernel_cost=PAIR_COUNT) if balanced else None
     with accelerate_env(rank, world_size) as out:
         model = tiny_model()
         initial = {k: v.clone() for k, v in model.state_dict().items()}
@@ -159,9 +163,15 @@ def cp_case(rank, world_size, group, cp_size, arg_overrides):
             train_dataset=train_docs(),
             cp_size=cp_size,
             max_tokens=MAX_TOKENS,
+            cp_config=cp_config,
         )
         output = _quiet(trainer).train()
-        return _outcome(trainer, initial, output)
+        outcome = _outcome(trainer, initial, output)
+        layouts = [trainer._local_batch(batch)[SHARD_KEY].layout for batch in trainer.get_train_dataloader()]
+        outcome["permuted_packs"] = sum(
+            not torch.equal(lay.slot_positions.reshape(-1), torch.arange(lay.padded_seq_len)) for lay in layouts
+        )
+        return outcome
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +210,15 @@ def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg
         last = got["logs"][-1]
         per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
+
+
+def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference):
+    """`cp_config` reaches the shard step: its balanced layout permutes the packs, and training is
+    still exactly the stock Trainer's."""
+    results = gloo(2).run(cp_case, timeout=180, cp_size=2, arg_overrides={}, balanced=True)
+    for rank, got in enumerate(results):
+        _assert_same_training(got, reference, f"balanced rank {rank}")
+        assert got["permuted_packs"] > 0, "no pack was laid out by the balanced strategy"
 
 
 def test_final_train_loss_is_the_loss_of_the_whole_pack(gloo, reference):

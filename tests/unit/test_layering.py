@@ -18,7 +18,7 @@ BELOW = {
     "config": {"planning", "kernels"},
     "step": {"planning", "comm", "kernels", "config"},
     "attention": {"planning", "comm", "kernels", "step"},
-    "data": {"planning", "step"},
+    "data": {"config", "planning", "step"},
     "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
