@@ -98,11 +98,12 @@ def blockdiag_attention(
 ):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv].
 
-    On a CP group the layer runs in KV-head groups (`step.kv_chunks`, `planning.head_groups`):
-    group c+1's exchange is launched before group c's kernel, so it travels while that kernel
-    runs; in backward autograd reaches the groups in reverse and each reverse exchange travels
-    behind the next group's kernel (`comm.exchange`). Heads are independent, so the result is
-    the same for any grouping.
+    With `step.kv_chunks` > 1 on a CP group the layer runs in KV-head groups
+    (`planning.head_groups`): group c+1's exchange is launched before group c's kernel, so it
+    travels while that kernel runs; in backward autograd reaches the groups in reverse and each
+    reverse exchange travels behind the next group's kernel (`comm.exchange`). Heads are
+    independent, so the result is the same for any grouping (the default, 1, was fastest where
+    measured: docs/performance.md).
     """
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
