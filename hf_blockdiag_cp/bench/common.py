@@ -191,3 +191,21 @@ def line_plot(rows: list[dict], y: str, ylabel: str, title: str, path: str | os.
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def profile_table(fn, path: str, calls: int = 3) -> None:
+    """Operator tables of `calls` calls of `fn` into `path`: by self CUDA time (where the GPU's time
+    goes) and by self CPU time (host overhead that can leave the GPU idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        for sort in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+            f.write(f"sorted by {sort}\n" + table.table(sort_by=sort, row_limit=30) + "\n\n")

@@ -25,6 +25,7 @@ from .common import (
     line_plot,
     lognormal_lengths,
     markdown_table,
+    profile_table,
     time_cuda,
     time_interleaved,
     write_json,
@@ -89,22 +90,6 @@ def _dense(doc_ids, q, k, v):
     idx = torch.arange(docs.numel(), device=q.device)
     mask = (docs[:, None] == docs[None, :]) & (idx[None, :] <= idx[:, None])
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
-
-
-def _profile(fn, path: str, calls: int = 3) -> None:
-    """Operator table of `calls` calls (CPU and, where present, CUDA time): where an entry point's
-    time goes next to the raw kernel's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
 
 
 def run(args) -> list[dict]:
@@ -172,7 +157,7 @@ def run(args) -> list[dict]:
             timings[name] = time_cuda(lambda fn=fn: fwd_bwd(fn), warmup=1, reps=args.reference_reps)
         if args.profile:
             for name, (fn, _) in methods.items():
-                _profile(lambda fn=fn: fwd_bwd(fn), f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
+                profile_table(lambda fn=fn: fwd_bwd(fn), f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
         methods.update(references)
         for name, (fn, flops) in methods.items():
             t = timings[name]

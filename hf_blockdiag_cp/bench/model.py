@@ -19,7 +19,7 @@ import torch
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from ..integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
-from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, write_json
+from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, profile_table, write_json
 
 CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -138,6 +138,11 @@ def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
                     rows[m]["first_s"] = seconds
                 elif i > 0:
                     times[m].append(seconds)
+    if args.profile:  # one more step per method, after the timed ones (compiled, warm)
+        for m in methods:
+            if times[m]:
+                name = m.replace("/", "_").replace("+", "_")
+                profile_table(lambda m=m: _one_step(model, *runs[m]), f"{args.out}/profile_{seq_len}_{name}.txt", calls=1)
     for m, row in rows.items():
         if times[m]:
             step_s = statistics.median(times[m])
@@ -185,6 +190,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds of blocks, methods taking turns")
     p.add_argument("--one-block", nargs="*", default=["hf_sdpa"], help="methods measured in the first round only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true", help="one more step per method under the profiler (profile_*.txt)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")
 
