@@ -206,6 +206,7 @@ def profile_table(fn, path: str, calls: int = 3) -> None:
         if cuda:
             torch.cuda.synchronize()
     table = prof.key_averages()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         for sort in (["self_cuda_time_total"] if cuda else []) + ["self_cpu_time_total"]:
             f.write(f"sorted by {sort}\n" + table.table(sort_by=sort, row_limit=30) + "\n\n")
