@@ -135,6 +135,36 @@ def time_interleaved(
     return {name: Timing(first[name], statistics.median(r), r, allocs[name]) for name, r in runs.items()}
 
 
+def time_queued(fns: dict[str, Callable[[], None]], calls: int = 5, rounds: int = 3) -> dict[str, float]:
+    """Milliseconds per call when `calls` calls are queued back to back (one host sync per batch),
+    median over `rounds` batches, the methods taking turns: the device rate with the host running
+    ahead, as in a training step, where `time_interleaved` (a sync around every call) also counts
+    the host's launch latency. Host-bound methods stay host-bound here: the host cannot queue faster
+    than it launches."""
+    if not torch.cuda.is_available():  # CPU smoke runs: wall time per call
+        out = {}
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out[name] = (time.perf_counter() - t0) * 1e3 / calls
+        return out
+    per_call: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()  # re-warm after the previous method
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)  # ~1 ms of device work, so the host's first launch is queued in time
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            per_call[name].append(start.elapsed_time(end) / calls)
+    return {name: statistics.median(r) for name, r in per_call.items()}
+
+
 def compile_counters() -> dict[str, int]:
     """Dynamo's running totals (frames compiled, graphs compiled): the difference over a call says
     how much compiling that call did. `TORCH_LOGS=recompiles` prints why a frame was recompiled."""

@@ -3,6 +3,9 @@
 Compares our entry point per backend (`blockdiag_attention` on a cp=1 step: plan lookup,
 key selection and the kernel) with the raw kernel it wraps, the dense-mask SDPA path that
 stock Transformers takes on packed rows, and SDPA on one causal document as a rate ceiling.
+`ms` (and useful TFLOP/s) is the rate with calls queued back to back, as inside a model;
+`latency_ms` syncs around every call, so it adds the host's launch time (large for FA4's
+CuTe-DSL launches at short packs, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .common import (
     profile_table,
     time_cuda,
     time_interleaved,
+    time_queued,
     write_json,
 )
 
@@ -155,6 +159,11 @@ def run(args) -> list[dict]:
                                    warmup=args.warmup, reps=args.reps)
         for name, (fn, _) in references.items():
             timings[name] = time_cuda(lambda fn=fn: fwd_bwd(fn), warmup=1, reps=args.reference_reps)
+        # The rate: calls queued back to back, as in a model (the host runs ahead); `latency_ms` syncs around each.
+        queued = time_queued({name: (lambda fn=fn: fwd_bwd(fn)) for name, (fn, _) in methods.items()},
+                             calls=args.queued_calls, rounds=args.queued_rounds)
+        queued.update(time_queued({name: (lambda fn=fn: fwd_bwd(fn)) for name, (fn, _) in references.items()},
+                                  calls=2, rounds=args.reference_reps))
         if args.profile:
             for name, (fn, _) in methods.items():
                 profile_table(lambda fn=fn: fwd_bwd(fn), f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
@@ -162,8 +171,8 @@ def run(args) -> list[dict]:
         for name, (fn, flops) in methods.items():
             t = timings[name]
             rows.append({
-                "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": t.median_ms,
-                "spread_ms": max(t.runs) - min(t.runs), "tflops": flops / t.median_ms / 1e9,
+                "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": queued[name],
+                "latency_ms": t.median_ms, "spread_ms": max(t.runs) - min(t.runs), "tflops": flops / queued[name] / 1e9,
                 "cuda_mallocs": t.device_allocs,
             })
             if name.startswith("ours/"):
@@ -198,6 +207,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--reference-reps", type=int, default=3, help="timed calls of the dense-mask and ceiling SDPA")
+    p.add_argument("--queued-calls", type=int, default=6, help="calls queued back to back per rate measurement (ms, tflops)")
+    p.add_argument("--queued-rounds", type=int, default=3, help="rate measurements per method (median)")
     p.add_argument("--profile", action="store_true", help="also write a profiler table per method (profile_*.txt)")
     p.add_argument("--flex-interval-mask", action="store_true", help="also time raw flex with our interval mask_mod")
     p.add_argument("--seed", type=int, default=0)
@@ -207,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> None:
     rows = run(args)
-    cols = ["seq_len", "docs", "method", "first_ms", "ms", "spread_ms", "tflops", "vs_raw", "vs_ceiling", "vs_varlen", "vs_dense", "plan_ms", "cuda_mallocs"]
+    cols = ["seq_len", "docs", "method", "first_ms", "ms", "latency_ms", "spread_ms", "tflops", "vs_raw", "vs_ceiling", "vs_varlen", "vs_dense", "plan_ms", "cuda_mallocs"]
     table = markdown_table(rows, cols)
     print(table)
     write_json(f"{args.out}/kernels.json", {"env": environment(), "args": vars(args), "rows": rows})

@@ -1,8 +1,10 @@
 """`bench ranks`: how evenly a layout spreads attention work over G ranks, on one GPU.
 
 For each CP size and layout strategy, every rank's local work (its queries against the
-keys it needs, fwd+bwd, the exchange's output simulated by the full K/V in slot order) runs
-in turn on the one GPU. The step time under CP is set by the slowest rank, so we report
+keys it needs, fwd+bwd, on the key buffer `--exchange` hands the kernel: all G·L rows in slot
+order for the all-gather, the needed rows for halo / a2a) runs on the one GPU, the ranks and
+the single-GPU call taking turns (`time_queued`: calls queued back to back, as in a model).
+The step time under CP is set by the slowest rank, so we report
 max-rank time over the ideal (single-GPU time / G), next to the planner's predictions: per-rank
 work (allowed query-key pairs) and cost (`KernelCost`: the kernel's calibrated constants, or
 `--cost-file`). Every rank's features (runs, tiles, q/k tiles, pairs) are kept beside its ms.
@@ -21,10 +23,21 @@ import numpy as np
 import torch
 
 from ..kernels import calibrated_cost, canonical_kernel_name
-from ..planning import DEFAULT_KERNEL_COST, KernelCost, layout_cost, layout_strategies, plan_layout, rank_features
+from ..planning import (
+    DEFAULT_KERNEL_COST,
+    EXCHANGE_KINDS,
+    NEEDED_ONLY,
+    KernelCost,
+    layout_cost,
+    layout_strategies,
+    plan_exchange,
+    plan_layout,
+    rank_features,
+    rank_routes,
+)
 from ..attention import local_attention
 from ..step import CPStep, build_step
-from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_cuda, write_json
+from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_queued, write_json
 
 
 def scenario_lengths(name: str, seq_len: int, seed: int) -> list[int]:
@@ -100,46 +113,63 @@ def run(args) -> list[dict]:
         lengths = scenario_lengths(scenario, args.seq_len, args.seed)
         doc_ids = document_ids_for(lengths)
         g = torch.Generator(device=device).manual_seed(args.seed)
-        base = plan_layout(doc_ids, 1)
-        s_pad = base.padded_seq_len
+        # Rows for the longest padded pack of any CP size (a layout pads to a multiple of its G).
+        s_pad = max(plan_layout(doc_ids, g).padded_seq_len for g in (1, *args.cp_sizes))
 
         def rand(h):
             return torch.randn(s_pad, h, args.head_dim, device=device, dtype=dtype, generator=g)
 
         q_all, k_all, v_all = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
 
-        def rank_time(layout, rank: int):
-            step = build_step(layout, rank, None, device, args.backend, "allgather")
+        def rank_call(layout, rank: int, exchange_plan):
+            """Rank `rank`'s fwd+bwd on the key buffer its exchange hands the kernel (all G·L rows in slot
+            order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs."""
+            step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan)
             slots = layout.slot_positions.to(device)
+            keys = (slots.reshape(-1) if exchange_plan is None
+                    else rank_routes(layout, exchange_plan, rank).key_positions.to(device))
             q = q_all[slots[rank]].detach().requires_grad_()
-            k = k_all[slots.reshape(-1)].detach().requires_grad_()
-            v = v_all[slots.reshape(-1)].detach().requires_grad_()
+            k = k_all[keys].detach().requires_grad_()
+            v = v_all[keys].detach().requires_grad_()
 
             def fwd_bwd():
                 out = local_attention(step, q, k, v, scale=None, sliding_window=None)
                 out.backward(torch.ones_like(out))
 
-            return time_cuda(fwd_bwd, warmup=args.warmup, reps=args.reps).median_ms, predicted_pairs(step)
+            return fwd_bwd, predicted_pairs(step)
 
         single = plan_layout(doc_ids, 1)
-        single_ms, _ = rank_time(single, 0)
-        rows.append({"scenario": scenario, "G": 1, "strategy": "single", "single_ms": single_ms,
-                     "rank_ms": [round(single_ms, 4)], "rank_features": rank_features(single, kernel_cost)})
+        needed_only = args.exchange in NEEDED_ONLY
+        single_fn, _ = rank_call(single, 0, plan_exchange(single) if needed_only else None)
+        single_ms = None
         for cp_size in args.cp_sizes:
             for strategy in strategies:
                 layout = plan_layout(doc_ids, cp_size, strategy, kernel_cost=kernel_cost)
-                times, pairs = zip(*(rank_time(layout, r) for r in range(cp_size)))
-                ideal = single_ms / cp_size
+                exchange_plan = plan_exchange(layout) if needed_only else None
+                calls, pairs = zip(*(rank_call(layout, r, exchange_plan) for r in range(cp_size)))
+                # The single-GPU call takes turns with the ranks: clock drift hits numerator and denominator alike.
+                fns = {"single": single_fn, **{r: fn for r, fn in enumerate(calls)}}
+                for fn in fns.values():
+                    fn()  # compile / warm
+                timed = time_queued(fns, calls=args.calls, rounds=args.reps)
+                times = [timed[r] for r in range(cp_size)]
+                if single_ms is None:
+                    single_ms = timed["single"]
+                    rows.append({"scenario": scenario, "G": 1, "strategy": "single", "single_ms": single_ms,
+                                 "rank_ms": [round(single_ms, 4)], "rank_features": rank_features(single, kernel_cost)})
+                ideal = timed["single"] / cp_size
                 predicted = layout_cost(layout, args.kv_heads, args.head_dim, args.head_dim, kernel_cost=kernel_cost)
                 rows.append({
-                    "scenario": scenario, "G": cp_size, "strategy": strategy, "single_ms": single_ms,
-                    "max_rank_ms": max(times), "ideal_ms": ideal, "max_over_ideal": max(times) / ideal,
+                    "scenario": scenario, "G": cp_size, "strategy": strategy, "exchange": args.exchange,
+                    "single_ms": timed["single"], "max_rank_ms": max(times), "ideal_ms": ideal,
+                    "max_over_ideal": max(times) / ideal,
                     "predicted_max_over_mean": max(pairs) / (sum(pairs) / cp_size),
                     "predicted_cost_over_ideal": predicted.over_ideal,
                     "rank_ms": [round(t, 4) for t in times],
                     "rank_features": rank_features(layout, kernel_cost),
                 })
                 print(rows[-1], flush=True)
+                del calls, fns
     return rows
 
 
@@ -172,7 +202,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="rate measurements per rank (median), the ranks taking turns")
+    p.add_argument("--calls", type=int, default=4, help="calls queued back to back per rate measurement")
+    p.add_argument("--exchange", default="allgather", choices=EXCHANGE_KINDS,
+                   help="the exchange whose key buffer each rank's kernel sees: allgather (all G·L rows) "
+                        "or a needed-only one (halo, a2a: the rank's needed rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")
@@ -188,7 +222,7 @@ def main(args) -> None:
     if args.calibrate:
         calibrate(rows, args)
     rows = [r for r in rows if r["strategy"] != "single"]
-    table = markdown_table(rows, ["scenario", "G", "strategy", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
+    table = markdown_table(rows, ["scenario", "G", "strategy", "exchange", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
                                   "predicted_max_over_mean", "predicted_cost_over_ideal"])
     print(table)
     write_json(f"{args.out}/ranks.json", {"env": environment(), "args": vars(args), "rows": rows})

@@ -1,4 +1,4 @@
-"""CPU smoke tests of `python -m hf_blockdiag_cp.bench kernels|model`: the scripts run end to end
+"""CPU smoke tests of `python -m hf_blockdiag_cp.bench kernels|model|ranks`: the scripts run end to end
 at tiny sizes and write what the GPU runs are read from (rows per method, ratios, the fit search).
 The numbers themselves mean nothing on a CPU; GPU figures come from benchmarks/run_h200.sh."""
 
@@ -34,3 +34,19 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert ours["timed_steps"] == 2 and sdpa["timed_steps"] == 1  # hf_sdpa: one block by default
     assert ours["tokens_per_s"] > 0 and ours["first_s"] > 0
     assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
+
+
+def test_bench_ranks_cpu_smoke(tmp_path):
+    """Both key buffers (all-gather: every row; a2a: the needed rows) run, and the calibration fits."""
+    for exchange in ("allgather", "a2a"):
+        out = tmp_path / exchange
+        bench_main(["ranks", "--device", "cpu", "--backend", "dense", "--seq-len", "512", "--cp-sizes", "2", "3",
+                    "--scenarios", "lognormal4k", "one_doc", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                    "--dtype", "float32", "--reps", "1", "--calls", "1", "--exchange", exchange, "--calibrate",
+                    "--out", str(out)])
+        rows = json.loads((out / "ranks.json").read_text())["rows"]
+        assert [(r["scenario"], r["G"], r["strategy"]) for r in rows] == [
+            (s, g, strategy) for s in ("lognormal4k", "one_doc") for g in (2, 3) for strategy in ("contiguous", "balanced")]
+        assert all(r["exchange"] == exchange and len(r["rank_ms"]) == r["G"] and r["max_over_ideal"] > 0 for r in rows)
+        fit = json.loads((out / "kernel_cost_dense.json").read_text())
+        assert fit["cost"]["ms_per_tile"] > 0 and len(fit["samples"]) == 1 + 1 + 2 * (2 + 3) * 2

@@ -4,14 +4,17 @@ Spawning a process re-imports torch and transformers (seconds), so each world si
 group for the whole session and every test case runs inside it. A case is a module-level
 function `case(rank, world_size, group, **kwargs)`; its return values come back as a list
 indexed by rank. A case that raises on any rank fails the test with that rank's traceback;
-a case that does not finish in time kills the pool (the next test starts a fresh one).
+a case that does not finish in time has every rank print its threads' stacks to stderr, then
+kills the pool (the next test starts a fresh one).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -31,6 +34,8 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # A case that times out gets every thread's stack on stderr before the pool is killed (see _collect).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     group = dist.group.WORLD
     outbox.put((rank, "ready", None))
@@ -78,11 +83,19 @@ class GlooPool:
             try:
                 rank, status, payload = self.outbox.get(timeout=max(timeout - (time.monotonic() - start), 0.01))
             except queue.Empty:
+                self.dump_stacks()
                 self.close(force=True)
                 answered = sorted(set(results) | set(errors))
                 raise CaseFailed(f"{what}: timed out after {timeout:.0f}s; ranks that answered: {answered}; errors: {errors}")
             (errors if status == "error" else results)[rank] = payload
         return results, errors
+
+    def dump_stacks(self) -> None:
+        """Every live worker prints all its threads' stacks to stderr (where a hung collective waits)."""
+        for p in self.procs:
+            if p.is_alive() and p.pid:
+                os.kill(p.pid, signal.SIGUSR1)
+        time.sleep(2.0)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
