@@ -39,9 +39,10 @@ Algorithm (`balanced_slot_positions`), with T = cost of every segment whole / G,
      three candidates (lowest maximum predicted cost, contiguous first on ties) is returned.
   4. Unless contiguous won, a refinement (`_refine`) swaps rows between the dearest rank and a
      cheaper one while that lowers the peak: the last x rows of a run on the dearest rank (its
-     dearest rows) for the first x rows of a run on the other, x equal both ways. The greedy's
-     filler is cut by an estimated density, so it leaves a few percent between ranks (5 % at
-     G = 8 on log-normal packs); the swaps take that to about 1 % (tests/unit/test_kernel_cost.py).
+     dearest rows) for the first x rows of a run on the other, x equal both ways, until max/mean
+     is within 1 + tolerance/10. The greedy's filler is cut by an estimated density, so it leaves
+     a few percent between ranks (5 % at G = 8 on log-normal packs); the swaps take that to about
+     1 % (tests/unit/test_kernel_cost.py), at the price of more split documents (benchmarks/results/layout_table.md).
 
 Cost per step: O(n log n) in the number of segments n for sorting, a Python loop of O(G log G)
 per non-filler segment (at most 4G/eps of them), vectorised numpy for the filler, at most 2G
@@ -75,6 +76,7 @@ _FILLER_SHARE = 0.25  # filler segment: work <= _FILLER_SHARE * tolerance * T
 _BUDGET_SHARE = 0.75  # the greedy aims at (1 + 0.75 tolerance) T, leaving room for the filler's noise
 _GOLDEN = 0.6180339887498949
 _REFINE_MOVES = 2  # row swaps per rank at most in the final refinement
+_REFINE_SHARE = 0.1  # the refinement stops at max/mean <= 1 + 0.1 tolerance (each swap splits runs)
 _REFINE_RUNS = 12  # runs per rank a swap considers (the dearest on the dearest rank, the longest on the other)
 
 
@@ -349,7 +351,7 @@ def _greedy_pieces(
     return greedy.fill(filler)
 
 
-def _refine(pieces: Pieces, cp_size: int, kernel_cost: KernelCost, max_moves: int) -> Pieces:
+def _refine(pieces: Pieces, cp_size: int, kernel_cost: KernelCost, max_moves: int, stop_ratio: float = 1.0) -> Pieces:
     """Step 4 of the module docstring: lower the dearest rank by swapping rows with cheaper ranks.
 
     A move gives the last x rows of a run on the dearest rank (its dearest rows: they see the most
@@ -357,7 +359,8 @@ def _refine(pieces: Pieces, cp_size: int, kernel_cost: KernelCost, max_moves: in
     rows. Among every pair of runs and a grid of x (tile multiples, refined once around the best),
     it takes the move with the lowest resulting max of the two ranks' costs, if that is below the
     dearest rank's cost now; the cheapest rank is tried first. Every cost is `KernelCost.run_cost`
-    of the runs as they stand, so the max never rises."""
+    of the runs as they stand, so the max never rises. Each swap splits runs (more split documents,
+    more needed-only bytes), so it stops once the peak is within `stop_ratio` x the mean."""
     rank, start, length, offset = (pieces.rank.copy(), pieces.start.copy(), pieces.length.copy(), pieces.offset.copy())
     run_cost = kernel_cost.run_cost
     step_x = max(kernel_cost.tile_q, 1)
@@ -366,6 +369,8 @@ def _refine(pieces: Pieces, cp_size: int, kernel_cost: KernelCost, max_moves: in
         costs = np.bincount(rank, weights=per_run, minlength=cp_size)
         hi = int(np.argmax(costs))
         target = costs[hi]
+        if target <= stop_ratio * costs.mean():
+            break
         move = None
         for lo in np.argsort(costs, kind="stable").tolist():
             if lo == hi or costs[lo] >= target:
@@ -440,17 +445,18 @@ def balanced_slot_positions(
     limit = (1.0 + tolerance) * float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
     if cp_size == 1 or contiguous.max() <= limit:
         return torch.arange(s_pad).view(cp_size, local_len)
+    moves, stop = _REFINE_MOVES * cp_size, 1.0 + _REFINE_SHARE * tolerance
     greedy = _greedy_pieces(starts, lengths, cp_size, local_len, tolerance, kernel_cost)
     greedy_max = greedy.cost_per_rank(cp_size, kernel_cost).max()
     if greedy_max <= limit:
-        return _refine(greedy, cp_size, kernel_cost, _REFINE_MOVES * cp_size).slot_positions(cp_size, local_len)
+        return _refine(greedy, cp_size, kernel_cost, moves, stop).slot_positions(cp_size, local_len)
     zigzag = _zigzag_pieces(starts, lengths, cp_size, local_len, kernel_cost)
     zigzag_max = zigzag.cost_per_rank(cp_size, kernel_cost).max()
     best = min(contiguous.max(), greedy_max, zigzag_max)
     if contiguous.max() == best:
         return torch.arange(s_pad).view(cp_size, local_len)
     chosen = greedy if greedy_max == best else zigzag
-    return _refine(chosen, cp_size, kernel_cost, _REFINE_MOVES * cp_size).slot_positions(cp_size, local_len)
+    return _refine(chosen, cp_size, kernel_cost, moves, stop).slot_positions(cp_size, local_len)
 
 
 register_layout_strategy("balanced", balanced_slot_positions)
