@@ -291,6 +291,12 @@ def e2e_rows(results: dict) -> list[dict]:
     return [r for r in results["parts"].get("e2e", {}).get("rows", []) if r.get("status") == "ok" and r.get("step_s")]
 
 
+def run_e2e_layout(results: dict) -> str:
+    """The layout the run's e2e rows trained with: multigpu.py's `--e2e-layout` (rows do not record it), else contiguous."""
+    argv = list(results.get("env", {}).get("argv", []))
+    return argv[argv.index("--e2e-layout") + 1] if "--e2e-layout" in argv[:-1] else "contiguous"
+
+
 def calibrate_linear_rate(results: dict, rates: KernelRates, net: Network, kernel: str, checkpointing: bool = True,
                           configs: dict | None = None) -> dict:
     """R_lin (TFLOP/s) per model from the G = 1 e2e rows: linear FLOPs / (step - modelled attention).
@@ -319,12 +325,13 @@ def validate(results: dict, rates: KernelRates, net: Network, r_lin: dict, kerne
     e2e = e2e_rows(results)
     g1 = {(r["model"], int(r["tokens"])): r for r in e2e if int(r["G"]) == 1}
     fallback = r_lin.get("1.2b") or next(iter(r_lin.values()), None)
+    run_layout = run_e2e_layout(results)
     for r in e2e:
         cfg, S, g = (configs.get if configs is not None else e2e_config)(r["model"]), int(r["tokens"]), int(r["G"])
         if g == 1 or cfg is None:
             continue
         k = r.get("kernel") or kernel
-        st = Setup(rates, net, r_lin.get(r["model"], fallback), kernel=k, layout=r.get("layout") or "contiguous",
+        st = Setup(rates, net, r_lin.get(r["model"], fallback), kernel=k, layout=r.get("layout") or run_layout,
                    exchange=r.get("exchange") or "allgather", overlap=float(r.get("overlap") or 0.0), checkpointing=checkpointing)
         p = step_ms(cfg, S, g, st)
         name = f"e2e {r['model']} S={S} G={g}"

@@ -89,3 +89,21 @@ def test_validation_flags_errors_over_ten_percent(monkeypatch, factor, status):
     assert step["rel_err_pct"] == pytest.approx(100 * (1 / factor - 1))
     assert step["status"] == status
     assert {v["status"] for v in rows} == {status}
+
+
+@pytest.mark.parametrize("argv, layout", [([], "contiguous"), (["--e2e-layout", "balanced"], "balanced")])
+def test_validation_uses_the_runs_e2e_layout(monkeypatch, argv, layout):
+    """e2e rows do not record their layout: validation takes multigpu.py's --e2e-layout from the run's argv."""
+    skewed = (12000, 1000, 1000, 1000, 1000, 1000, 1000, 432)  # the pack's size, contiguous far from balanced at G = 2
+    assert sum(skewed) == sum(LENGTHS)
+    monkeypatch.setattr(sm, "pack_lengths", lambda S, seed=0: skewed)
+    st = synthetic(bw=50.0, latency=0.005)
+    res = _results(1.0, st, r_lin=30.0)
+    res["env"]["argv"] = ["benchmarks/multigpu.py", "--parts", "e2e", *argv]
+    rows = sm.validate(res, st.rates, st.net, {"m": 30.0}, "k", configs={"m": CFG})
+    step = next(v for v in rows if v["quantity"] == "step_s")
+    S = sum(LENGTHS)
+    steps = {lay: sm.step_ms(CFG, S, 2, sm.Setup(st.rates, st.net, 30.0, kernel="k", layout=lay))["total"] / 1e3
+             for lay in ("contiguous", "balanced")}
+    assert steps["contiguous"] > 1.02 * steps["balanced"]  # distinguishable at the rel=1e-3 below
+    assert step["predicted"] == pytest.approx(steps[layout], rel=1e-3)
