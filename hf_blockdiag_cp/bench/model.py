@@ -147,7 +147,8 @@ def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
         if times[m]:
             step_s = statistics.median(times[m])
             row.update(step_s=step_s, tokens_per_s=seq_len / step_s, peak_gib=peaks[m],
-                       step_spread_s=max(times[m]) - min(times[m]), timed_steps=len(times[m]))
+                       step_spread_s=max(times[m]) - min(times[m]), timed_steps=len(times[m]),
+                       steps_s=[round(t, 4) for t in times[m]])  # every timed step, in order (the table shows the median)
         print(row, flush=True)
     gc.collect()
     if torch.cuda.is_available():
