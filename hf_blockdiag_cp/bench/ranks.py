@@ -114,7 +114,7 @@ def run(args) -> list[dict]:
         doc_ids = document_ids_for(lengths)
         g = torch.Generator(device=device).manual_seed(args.seed)
         # Rows for the longest padded pack of any CP size (a layout pads to a multiple of its G).
-        s_pad = max(plan_layout(doc_ids, g).padded_seq_len for g in (1, *args.cp_sizes))
+        s_pad = max(plan_layout(doc_ids, size).padded_seq_len for size in (1, *args.cp_sizes))
 
         def rand(h):
             return torch.randn(s_pad, h, args.head_dim, device=device, dtype=dtype, generator=g)

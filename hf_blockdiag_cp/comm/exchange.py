@@ -169,7 +169,12 @@ class _Start(torch.autograd.Function):
         packed = _pack_rows(k, v)
         if flight.kind == "allgather":
             flight.recv = packed.new_empty((flight.world_size * packed.shape[0], packed.shape[1]))
-            flight.works = guarded("all-gather", flight.group, _all_gather, flight.recv, packed, flight.group)
+            # The collective gets an alias without autograd history: the Work keeps its tensors, and if
+            # one were this Function's output, Work -> grad_fn -> ctx -> flight -> group would be a
+            # cycle through C++ that Python's gc cannot see. gloo's worker thread could then drop the
+            # last reference to its own group (its destructor joins that thread: the group's sockets
+            # stay open and peers of a failed rank wait forever; tests/multiprocess/test_fault.py).
+            flight.works = guarded("all-gather", flight.group, _all_gather, flight.recv, packed.detach(), flight.group)
             foreign = (flight.world_size - 1) * packed.shape[0]
         else:
             routes = flight.routes
@@ -190,8 +195,10 @@ class _Start(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_packed):
         flight = ctx.flight
-        _wait(f"{flight.kind} exchange backward", flight.group, flight.works)
-        flight.works = []
+        try:
+            _wait(f"{flight.kind} exchange backward", flight.group, flight.works)
+        finally:
+            flight.works = []
         if flight.back is not None:  # needed-only: add what other ranks computed for our rows
             grad_packed = grad_packed.index_add(0, flight.routes.send_rows, flight.back)
             flight.back = None
@@ -206,8 +213,10 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packed, flight: _Flight):
         ctx.flight = flight
-        _wait(f"{flight.kind} exchange", flight.group, flight.works)
-        flight.works = []
+        try:
+            _wait(f"{flight.kind} exchange", flight.group, flight.works)
+        finally:
+            flight.works = []  # a failed Work holds its tensors; the flight must not keep it
         if flight.kind == "allgather":
             out = flight.recv
         else:
