@@ -14,15 +14,8 @@
 #      `bench ranks` (fa4, a2a); then the GPU tests, in two processes side by side
 # Everything lands in $OUT/results_phase<P>.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"; W=$(mktemp -d)
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$W/pip.log" 2>&1 || export PYTHONPATH=$PWD
-python3 -c "import torch, transformers, importlib.metadata as m
-def v(p):
-    try: return m.version(p)
-    except Exception: return 'absent'
-print('torch', torch.__version__, 'transformers', transformers.__version__, 'flash-attn-4', v('flash-attn-4'), 'liger-kernel', v('liger-kernel'), torch.cuda.get_device_name(), 'x', torch.cuda.device_count())" | tee "$W/env_phase$PHASE.txt"
-bench() { python3 -m hf_blockdiag_cp.bench "$@"; }
+source "$(dirname "$0")/session_lib.sh"
+session_start
 ranks() {  # kernel exchange budget_s
   timeout "$3" python3 -m hf_blockdiag_cp.bench ranks --backend "$1" --exchange "$2" --strategies balanced --cp-sizes 4 8 \
     --reps 3 --calls 2 --calibrate --out "$W/ranks_$1_$2" >"$W/ranks_$1_$2.log" 2>&1
@@ -56,6 +49,4 @@ D2)
       tests/gpu/test_kernels_optional_gpu.py >"$W/gpu_tests_rest.log" 2>&1 ) &
   wait ;;
 esac
-for f in "$W"/*.log; do echo "=== $f"; grep -E "^\||passed|failed|error|Error|kernel cost|max relative" "$f" | tail -25; done
-tar -czf "$OUT/results_phase$PHASE.tgz" -C "$W" .
-ls -la "$OUT"
+session_end "^\||passed|failed|error|Error|kernel cost|max relative"

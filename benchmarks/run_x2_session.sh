@@ -13,15 +13,9 @@
 #      then the FA4 / Liger GPU tests
 # Everything lands in $OUT/results.tgz (a call returns only a few files).
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-bench_out}; mkdir -p "$OUT"; W=$(mktemp -d)
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$W/pip.log" 2>&1 || export PYTHONPATH=$PWD
-python3 -c "import torch, transformers, importlib.metadata as m
-def v(p):
-    try: return m.version(p)
-    except Exception: return 'absent'
-print('torch', torch.__version__, 'transformers', transformers.__version__, 'flash-attn-4', v('flash-attn-4'), 'liger-kernel', v('liger-kernel'), torch.cuda.get_device_name(), 'x', torch.cuda.device_count())" | tee "$W/env_phase$PHASE.txt"
-bench() { python3 -m hf_blockdiag_cp.bench "$@"; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source "$(dirname "$0")/session_lib.sh"
+session_start
 mg() { torchrun --standalone --nproc-per-node 2 benchmarks/multigpu.py "$@"; }
 case "$PHASE" in
 1)
@@ -56,6 +50,4 @@ case "$PHASE" in
   ( export CUDA_VISIBLE_DEVICES=0; timeout 400 python3 -m hf_blockdiag_cp.bench model --methods blockdiag_cp/auto hf_flex \
       --seq-lens 16384 --block-steps 4 --rounds 2 --one-block --out "$W/model_16k_alone" ) >"$W/model_16k_alone.log" 2>&1 ;;
 esac
-for f in "$W"/*.log; do echo "=== $f"; grep -E "^\||passed|failed|error|Error|largest|^E " "$f" | tail -25; done
-tar -czf "$OUT/results_phase$PHASE.tgz" -C "$W" .
-ls -la "$OUT"
+session_end "^\||passed|failed|error|Error|largest|^E "
