@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CPConfig
-from ..step.build import layout_kernel_cost
+from ..step.build import layout_options
 from ..step.shard import IGNORE_INDEX, shard_batch
 
 OVERSIZE_POLICIES = ("split", "reject")
@@ -150,10 +150,5 @@ class BlockdiagCPCollator:
         full = self.pack(examples)
         if self.cp_rank is None:
             return full
-        if self.cp_config is None:
-            return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id)
-        config = self.cp_config
-        return shard_batch(
-            full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, strategy=config.layout,
-            tolerance=config.balance_tolerance, kernel_cost=layout_kernel_cost(config),
-        )
+        config = self.cp_config if self.cp_config is not None else CPConfig()  # default: contiguous chunks
+        return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, **layout_options(config))

@@ -44,7 +44,7 @@ from ..data.collator import BlockdiagCPCollator
 from ..data.loader import dp_cp_coordinates, packed_dataloader
 from ..config import CPConfig, default_config
 from ..step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
-from ..step.build import layout_kernel_cost
+from ..step.build import layout_options
 from .transformers import ATTN_IMPLEMENTATION
 
 __all__ = [
@@ -557,11 +557,9 @@ class BlockdiagCPTrainerMixin:
         shard step with the configured layout."""
         if SHARD_KEY in batch:
             return batch
-        c, config = self.cp_coordinates, self.cp_config
-        return shard_batch(
-            batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id, strategy=config.layout,
-            tolerance=config.balance_tolerance, kernel_cost=layout_kernel_cost(config),
-        )
+        c = self.cp_coordinates
+        return shard_batch(batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id,
+                           **layout_options(self.cp_config))
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, torch.Tensor | None]:
         """The micro-batches of one optimizer step and N = their targets summed over every rank (one all-reduce)."""

@@ -372,15 +372,15 @@ def _refine(pieces: Pieces, cp_size: int, kernel_cost: KernelCost, max_moves: in
         if target <= stop_ratio * costs.mean():
             break
         move = None
+        # The candidates: hi's dearest runs and each cheaper rank's longest (bounded work per move).
+        a = np.flatnonzero((rank == hi) & (length > 0))
+        a = a[np.argsort(-per_run[a], kind="stable")[:_REFINE_RUNS]]
         for lo in np.argsort(costs, kind="stable").tolist():
             if lo == hi or costs[lo] >= target:
                 break
-            a = np.flatnonzero((rank == hi) & (length > 0))
             b = np.flatnonzero((rank == lo) & (length > 0))
             if not a.size or not b.size:
                 continue
-            # The candidates: hi's dearest runs and lo's longest (bounded work per move).
-            a = a[np.argsort(-per_run[a], kind="stable")[:_REFINE_RUNS]]
             b = b[np.argsort(-length[b], kind="stable")[:_REFINE_RUNS]]
             la, lb = length[a][:, None], length[b][None, :]
             most = np.minimum(la, lb)  # [A, B]: the rows a swap of these two runs can move

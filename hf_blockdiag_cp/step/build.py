@@ -101,6 +101,12 @@ def layout_kernel_cost(config: CPConfig) -> KernelCost:
     return DEFAULT_KERNEL_COST
 
 
+def layout_options(config: CPConfig) -> dict:
+    """The `shard_batch` keywords of `config`'s layout (strategy, tolerance, kernel cost): one
+    mapping for the step, the collator and the Trainer, so all of them shard a pack alike."""
+    return {"strategy": config.layout, "tolerance": config.balance_tolerance, "kernel_cost": layout_kernel_cost(config)}
+
+
 @dataclass(frozen=True)
 class StepAgreement:
     """What the ranks of one CP group compare before the first collective of a step (I5)."""
@@ -117,10 +123,10 @@ class StepAgreement:
 def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary, strategy) -> dict:
     """This rank's local batch: the pure shard step, or a batch a collator already sharded for this rank."""
     if SHARD_KEY not in batch:
-        return shard_batch(
-            batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, strategy or config.layout,
-            config.balance_tolerance, layout_kernel_cost(config),
-        )
+        options = layout_options(config)
+        if strategy is not None:
+            options["strategy"] = strategy
+        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **options)
     info = batch[SHARD_KEY]
     if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
         raise ValueError(
