@@ -12,6 +12,11 @@
 #      after the row-swap refinement and the a2a calibration were committed: `bench ranks` (varlen, a2a)
 #   D2 carry .fa4b:  source .fa4b/activate.sh && PHASE=D2 bash benchmarks/run_h200_session.sh
 #      `bench ranks` (fa4, a2a); then the GPU tests, in two processes side by side
+# The second session of 2026-12-01 (after the needed-key gather's level-wise backward):
+#   E1 carry .fa4a:  bash .fa4a/stage.sh; PHASE=E1 bash benchmarks/run_h200_session.sh
+#      `bench ranks` (varlen, a2a); benchmarks/gather_ab.py (the gather alone, old against new)
+#   E2 carry .fa4b:  source .fa4b/activate.sh && PHASE=E2 bash benchmarks/run_h200_session.sh
+#      `bench ranks` (fa4, a2a); then the GPU tests, in two processes side by side
 # Everything lands in $OUT/results_phase<P>.tgz.
 set -uo pipefail
 source "$(dirname "$0")/session_lib.sh"
@@ -41,7 +46,10 @@ C)
   timeout 230 python3 -m pytest -q -p no:cacheprovider tests/gpu >"$W/gpu_tests.log" 2>&1 ;;
 D1)
   ranks varlen a2a 200 ;;
-D2)
+E1)
+  ranks varlen a2a 210
+  timeout 90 python3 benchmarks/gather_ab.py --out "$W/gather_ab" >"$W/gather_ab.log" 2>&1 ;;
+D2|E2)
   ranks fa4 a2a 150
   ( timeout 280 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fa4_fused_ce.py tests/gpu/test_trainer_liger.py \
       >"$W/gpu_tests_fa4_liger.log" 2>&1 ) &
@@ -49,4 +57,4 @@ D2)
       tests/gpu/test_kernels_optional_gpu.py >"$W/gpu_tests_rest.log" 2>&1 ) &
   wait ;;
 esac
-session_end "^\||passed|failed|error|Error|kernel cost|max relative"
+session_end "^\| [a-z_0-9]+ \| [48] \||passed|failed|error|Error|kernel cost|max relative"

@@ -27,7 +27,7 @@ from .exchange_plan import (
 )
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs
 from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
-from .rank_plan import RankPlan, dense_allowed, plan_rank, validate_rank_plan
+from .rank_plan import RankPlan, dense_allowed, key_row_levels, plan_rank, validate_rank_plan
 from .segments import (
     Segments,
     document_ids_from_cu_seqlens,
@@ -59,6 +59,7 @@ __all__ = [
     "document_ids_from_lengths",
     "document_ids_from_position_ids",
     "ideal_cost",
+    "key_row_levels",
     "kv_row_bytes",
     "layout_cost",
     "layout_strategies",

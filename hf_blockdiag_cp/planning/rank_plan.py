@@ -73,6 +73,23 @@ def plan_rank(layout: Layout, rank: int) -> RankPlan:
     )
 
 
+def key_row_levels(key_rows: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """`key_rows` split by occurrence: level l holds (position in `key_rows`, row) of every row's
+    (l+1)-th occurrence, rows ascending. Two runs of one document on a rank need the same key
+    prefix, so a row can occur more than once; within a level every row occurs once, which lets
+    the gather's backward add each level without two writes to one row (`attention.entry`)."""
+    rows = key_rows.long()
+    order = torch.sort(rows, stable=True).indices
+    sorted_rows = rows[order]
+    new_row = torch.ones_like(sorted_rows, dtype=torch.bool)
+    new_row[1:] = sorted_rows[1:] != sorted_rows[:-1]
+    index = torch.arange(rows.numel())
+    first = torch.cummax(torch.where(new_row, index, torch.zeros_like(index)), 0).values
+    occurrence = index - first
+    top = int(occurrence.max()) + 1 if rows.numel() else 0
+    return tuple((order[occurrence == level], sorted_rows[occurrence == level]) for level in range(top))
+
+
 def validate_rank_plan(plan: RankPlan, num_queries: int, num_keys: int, *, num_rows: int | None = None) -> None:
     """Raise ValueError unless `plan`'s varlen metadata is exactly consistent (host check, once per step).
 

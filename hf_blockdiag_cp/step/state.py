@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm.exchange import ExchangeMeter
-from ..planning import ExchangePlan, Layout, RankPlan, RankRoutes
+from ..planning import ExchangePlan, Layout, RankPlan, RankRoutes, key_row_levels
 
 STEP_KWARG = "blockdiag_cp_step"
 
@@ -67,6 +67,10 @@ class DevicePlan:
     # (contiguous layout with all-gather): kernels can then use indices as positions.
     q_offset: int | None = None
     rows_are_positions: bool = False
+    # With key_index: (positions, rows) of each occurrence level (`planning.key_row_levels`), and
+    # whether level 0 holds every exchanged row in order (the gradient is then a plain gather).
+    key_levels: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    key_levels_cover_rows: bool = False
 
     @staticmethod
     def from_rank_plan(
@@ -76,6 +80,8 @@ class DevicePlan:
             return t.to(device, non_blocking=True)
 
         rows = plan.key_rows
+        levels = () if isinstance(rows, tuple) else key_row_levels(rows)
+        cover = bool(levels) and torch.equal(levels[0][1], torch.arange(row_positions.numel()))
         cu_q, cu_k = to(plan.cu_seqlens_q), to(plan.cu_seqlens_k)
         for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
             if cu.device.type != device.type or (device.index is not None and cu.device.index != device.index):
@@ -98,6 +104,8 @@ class DevicePlan:
             q_starts=to(q_starts),
             q_offset=_range_offset(plan.q_positions),
             rows_are_positions=_range_offset(row_positions) == 0,
+            key_levels=tuple((to(pos), to(row)) for pos, row in levels),
+            key_levels_cover_rows=cover,
         )
 
 
