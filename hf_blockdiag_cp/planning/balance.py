@@ -18,8 +18,10 @@ Cost model
 Algorithm (`balanced_slot_positions`), with T = cost of every segment whole / G, tolerance eps (0.05):
   1. Contiguous chunks if they are already within 1 + eps of T: fewest split documents,
      least communication, and the only layout a left-halo exchange can serve.
-  2. Otherwise a greedy (`_greedy_pieces`). Segments whose cost is at most eps/4 * T are
-     *filler*; the others are taken longest first. Each rank's key is its cost plus its free
+  2. Otherwise a greedy (`_greedy_pieces`). Segments whose cost beyond a run's fixed overhead
+     (`per_run`, paid whole or cut) is at most eps/4 * T are *filler*; the others are taken
+     longest first. (Counting the overhead would leave a kernel with a dear run almost no filler,
+     and the greedy would zig-zag short documents to close the last gaps.) Each rank's key is its cost plus its free
      rows at an expected cost per row: the mean of everything unplaced, or for a kernel cost
      the (lower) filler's, since a rank holding dear rows should get cheap rows later rather
      than a split document. A segment goes whole to the lowest-key rank with room if that keeps
@@ -72,7 +74,7 @@ import torch
 from .kernel_cost import DEFAULT_KERNEL_COST, KernelCost
 from .layout import DEFAULT_TOLERANCE, register_layout_strategy
 
-_FILLER_SHARE = 0.25  # filler segment: work <= _FILLER_SHARE * tolerance * T
+_FILLER_SHARE = 0.25  # filler segment: work - per_run <= _FILLER_SHARE * tolerance * T
 _BUDGET_SHARE = 0.75  # the greedy aims at (1 + 0.75 tolerance) T, leaving room for the filler's noise
 _GOLDEN = 0.6180339887498949
 _REFINE_MOVES = 2  # row swaps per rank at most in the final refinement
@@ -330,7 +332,7 @@ def _greedy_pieces(
     work = kernel_cost.run_cost(0, lengths)
     mean = float(work.sum()) / cp_size
     by_length = np.argsort(-lengths, kind="stable")
-    is_filler = work[by_length] <= _FILLER_SHARE * tolerance * mean
+    is_filler = work[by_length] - kernel_cost.per_run <= _FILLER_SHARE * tolerance * mean
     large, small = by_length[~is_filler], by_length[is_filler]
     greedy = _Greedy(cp_size, local_len, float(work.sum()), 1.0 + _BUDGET_SHARE * tolerance, kernel_cost)
     if not kernel_cost.splits_are_free and small.size:

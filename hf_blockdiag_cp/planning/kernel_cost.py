@@ -66,12 +66,12 @@ class KernelCost:
     tile_k: int = 128
     per_tile: float = 1.0
     # Defaults: the varlen calibration on the H200 (kernels/calibration.json, 2026-12-01), rounded.
-    per_run: float = 4.94
-    per_q_tile: float = 0.0
-    per_k_tile: float = 1.96
-    per_call: float = 83.7
-    ms_per_tile: float = 2.84e-3
-    source: str = "bench ranks --calibrate --exchange a2a, varlen, H200 (benchmarks/results/h200/2026-12-01/before_refinement/ranks_varlen_a2a)"
+    per_run: float = 21.8
+    per_q_tile: float = 0.31
+    per_k_tile: float = 0.0
+    per_call: float = 119.0
+    ms_per_tile: float = 2.89e-3
+    source: str = "bench ranks --calibrate --exchange a2a, varlen, H200 (benchmarks/results/h200/2026-12-01b/ranks_varlen_a2a)"
 
     def __post_init__(self):
         for name in ("tile_q", "tile_k"):
