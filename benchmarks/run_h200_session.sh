@@ -17,10 +17,9 @@
 #      `bench ranks` (varlen, a2a); benchmarks/gather_ab.py (the gather alone, old against new)
 #   E2 carry .fa4b:  source .fa4b/activate.sh && PHASE=E2 bash benchmarks/run_h200_session.sh
 #      `bench ranks` (fa4, a2a); then the GPU tests, in two processes side by side
-#   F1 carry .fa4a:  bash .fa4a/stage.sh; PHASE=F1 bash benchmarks/run_h200_session.sh
-#   F2 carry .fa4b:  source .fa4b/activate.sh && PHASE=F2 bash benchmarks/run_h200_session.sh
-#      `bench ranks` (varlen, then fa4; a2a) planned with the E fits (kernels/calibration.json) and
-#      the filler rule that leaves out a run's fixed overhead
+#   RANKS KERNELS="varlen" (then, FA4 staged and activated as above, KERNELS="fa4"):
+#      `bench ranks` (a2a, balanced, G 4 and 8, calibrated) with the constants in kernels/calibration.json;
+#      2026-12-01b/F: planned with the E fits, G: with the E and F samples pooled (--calibrate-from)
 # Everything lands in $OUT/results_phase<P>.tgz.
 set -uo pipefail
 source "$(dirname "$0")/session_lib.sh"
@@ -50,10 +49,8 @@ C)
   timeout 230 python3 -m pytest -q -p no:cacheprovider tests/gpu >"$W/gpu_tests.log" 2>&1 ;;
 D1)
   ranks varlen a2a 200 ;;
-F1)
-  ranks varlen a2a 210 ;;
-F2)
-  ranks fa4 a2a 200 ;;
+RANKS)
+  for k in $KERNELS; do ranks "$k" a2a 210; done ;;
 E1)
   ranks varlen a2a 210
   timeout 90 python3 benchmarks/gather_ab.py --out "$W/gather_ab" >"$W/gather_ab.log" 2>&1 ;;

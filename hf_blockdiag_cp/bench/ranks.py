@@ -213,14 +213,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-file", default=None,
                    help="KernelCost JSON (e.g. a kernel_cost_<kernel>.json) for the balanced layout and the predictions; "
                         "default: the kernel's constants in hf_blockdiag_cp/kernels/calibration.json")
+    p.add_argument("--calibrate-from", nargs="+", default=None, metavar="KERNEL_COST_JSON",
+                   help="fit the constants to the pooled samples of earlier --calibrate runs (their kernel_cost_<kernel>.json) "
+                        "and write <out>/kernel_cost_<kernel>.json; nothing runs on the GPU")
     p.add_argument("--calibrate", action="store_true",
                    help="also fit the KernelCost constants to every rank's ms and write <out>/kernel_cost_<kernel>.json")
 
 
 def main(args) -> None:
+    if args.calibrate_from:  # a fit of earlier runs' samples, pooled: no GPU needed
+        calibrate(samples_from(args.calibrate_from, canonical_kernel_name(args.backend)), args,
+                  f" (pooled: {', '.join(args.calibrate_from)})")
+        return
     rows = run(args)
     if args.calibrate:
-        calibrate(rows, args)
+        calibrate(rank_samples(rows), args)
     rows = [r for r in rows if r["strategy"] != "single"]
     table = markdown_table(rows, ["scenario", "G", "strategy", "exchange", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
                                   "predicted_max_over_mean", "predicted_cost_over_ideal"])
@@ -231,14 +238,12 @@ def main(args) -> None:
     plot(rows, f"{args.out}/ranks.png")
 
 
-def calibrate(rows: list[dict], args) -> KernelCost:
+def calibrate(samples: list[dict], args, what: str = "") -> KernelCost:
     """Fit the KernelCost constants to every rank's time and write them with the fit quality."""
     kernel = canonical_kernel_name(args.backend)
     base = kernel_cost_for(args)
-    samples = [{"ms": ms, "features": f, "scenario": r["scenario"], "G": r["G"], "strategy": r["strategy"]}
-               for r in rows for ms, f in zip(r["rank_ms"], r["rank_features"])]
     fitted, err, base_err = fit_kernel_cost(samples, base)
-    fitted = KernelCost(**{**fitted.to_dict(), "source": f"bench ranks --calibrate, {kernel}, {len(samples)} rank timings, "
+    fitted = KernelCost(**{**fitted.to_dict(), "source": f"bench ranks --calibrate{what}, {kernel}, {len(samples)} rank timings, "
                                                           f"max relative error {err:.3f}; {environment().get('device', '')}"})
     out = {"kernel": kernel, "cost": fitted.to_dict(), "max_relative_error": err,
            "previous_cost": base.to_dict(), "previous_max_relative_error": base_err,
@@ -247,3 +252,21 @@ def calibrate(rows: list[dict], args) -> KernelCost:
     write_json(f"{args.out}/kernel_cost_{kernel}.json", out)
     print(f"kernel cost for {kernel}: {fitted}\nmax relative error {err:.3f} (previous constants: {base_err:.3f})", flush=True)
     return fitted
+
+
+def rank_samples(rows: list[dict]) -> list[dict]:
+    """One calibration sample per rank timing: its ms and its features."""
+    return [{"ms": ms, "features": f, "scenario": r["scenario"], "G": r["G"], "strategy": r["strategy"]}
+            for r in rows for ms, f in zip(r["rank_ms"], r["rank_features"])]
+
+
+def samples_from(paths: list[str], kernel: str) -> list[dict]:
+    """The samples of earlier `--calibrate` runs (their kernel_cost_<kernel>.json files), pooled."""
+    samples = []
+    for path in paths:
+        with open(path) as f:
+            values = json.load(f)
+        if values.get("kernel") != kernel:
+            raise ValueError(f"--calibrate-from: {path} holds samples of kernel {values.get('kernel')!r}, not {kernel!r}")
+        samples += values["samples"]
+    return samples

@@ -66,12 +66,12 @@ class KernelCost:
     tile_k: int = 128
     per_tile: float = 1.0
     # Defaults: the varlen calibration on the H200 (kernels/calibration.json, 2026-12-01), rounded.
-    per_run: float = 21.8
-    per_q_tile: float = 0.31
-    per_k_tile: float = 0.0
-    per_call: float = 119.0
-    ms_per_tile: float = 2.89e-3
-    source: str = "bench ranks --calibrate --exchange a2a, varlen, H200 (benchmarks/results/h200/2026-12-01b/ranks_varlen_a2a)"
+    per_run: float = 10.8
+    per_q_tile: float = 0.0
+    per_k_tile: float = 1.32
+    per_call: float = 94.7
+    ms_per_tile: float = 2.84e-3
+    source: str = "bench ranks --calibrate-from, varlen, H200 (benchmarks/results/h200/2026-12-01b/pooled/kernel_cost_varlen.json)"
 
     def __post_init__(self):
         for name in ("tile_q", "tile_k"):
