@@ -19,14 +19,15 @@
 #      `bench ranks` (fa4, a2a); then the GPU tests, in two processes side by side
 #   RANKS KERNELS="varlen" (then, FA4 staged and activated as above, KERNELS="fa4"):
 #      `bench ranks` (a2a, balanced, G 4 and 8, calibrated) with the constants in kernels/calibration.json;
-#      2026-12-01b/F: planned with the E fits, G: with the E and F samples pooled (--calibrate-from)
+#      2026-12-01b/F: planned with the E fits, G: with the E and F samples pooled (--calibrate-from);
+#      REPS / CALLS (default 3 / 2) set bench ranks' --reps / --calls (H: G repeated with 5 / 3)
 # Everything lands in $OUT/results_phase<P>.tgz.
 set -uo pipefail
 source "$(dirname "$0")/session_lib.sh"
 session_start
 ranks() {  # kernel exchange budget_s
   timeout "$3" python3 -m hf_blockdiag_cp.bench ranks --backend "$1" --exchange "$2" --strategies balanced --cp-sizes 4 8 \
-    --reps 3 --calls 2 --calibrate --out "$W/ranks_$1_$2" >"$W/ranks_$1_$2.log" 2>&1
+    --reps "${REPS:-3}" --calls "${CALLS:-2}" --calibrate --out "$W/ranks_$1_$2" >"$W/ranks_$1_$2.log" 2>&1
 }
 case "$PHASE" in
 A)
