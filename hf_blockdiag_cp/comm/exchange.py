@@ -30,6 +30,7 @@ Failures: every launch and every wait runs through `failure.guarded` (see there)
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -141,10 +142,15 @@ def _grads_or_zeros(grad_k, grad_v, rows: int, k_shape, v_shape):
 
 @dataclass(eq=False)
 class _Flight:
-    """One exchange between its start and its finish (and again between the two in backward)."""
+    """One exchange between its start and its finish (and again between the two in backward).
+
+    The flight holds its group weakly (`group_ref`): autograd keeps flights alive as long as the
+    graph, and after an error a graph can outlive the step in a cycle through C++ (a non-reentrant
+    checkpoint's saved-tensor hooks), which would keep a destroyed gloo group's sockets open and
+    leave the peers of a failed rank waiting (I5). The caller's group and the step hold it strongly."""
 
     kind: str
-    group: Any
+    group_ref: Any  # weakref.ref to the process group, or None (the default group)
     world_size: int
     routes: RankRoutes | None
     meter: ExchangeMeter | None
@@ -153,6 +159,15 @@ class _Flight:
     recv: torch.Tensor | None = None  # forward receive buffer, valid after the forward wait
     works: list = field(default_factory=list)  # collectives in flight (forward, then backward)
     back: torch.Tensor | None = None  # needed-only backward: rows other ranks sent back
+
+    @property
+    def group(self):
+        if self.group_ref is None:
+            return None
+        group = self.group_ref()
+        if group is None:
+            raise RuntimeError("blockdiag_cp: the CP process group was released while one of its K/V exchanges was in flight")
+        return group
 
     def out_rows(self, local_rows: int) -> int:
         return local_rows * self.world_size if self.kind == "allgather" else self.routes.num_keys
@@ -270,14 +285,15 @@ class InFlight:
         collective end: every live peer posted it, and a collective left pending keeps the group's
         connections open after it is destroyed, so peers would wait instead of failing."""
         works, self.flight.works = self.flight.works, []
-        if group_failed(self.flight.group):
+        group = self.flight.group
+        if group_failed(group):
             works = []  # a failed collective's peers are gone: waiting could block forever
         for work in works:
             try:
                 work.wait()  # peers that got this far posted it too; a dead peer makes it raise
             except Exception:  # noqa: BLE001 - the error that made us abandon is the one to report
                 pass
-        fail_group(self.flight.group, reason)
+        fail_group(group, reason)
 
 
 def _check(kind: str, world_size: int, routes: RankRoutes | None) -> None:
@@ -296,7 +312,8 @@ def start_exchange(
     """Launch the named exchange of K `[L, Hkv, Dk]` and V `[L, Hkv, Dv]`; every rank of the
     group must start the same exchanges in the same order (I5)."""
     _check(name, world_size, routes)
-    flight = _Flight(name, group, world_size, None if name == "allgather" else routes, meter)
+    group_ref = None if group is None else weakref.ref(group)
+    flight = _Flight(name, group_ref, world_size, None if name == "allgather" else routes, meter)
     return InFlight(_Start.apply(k, v, flight), flight)
 
 
