@@ -21,19 +21,19 @@ Algorithm (`balanced_slot_positions`), with T = cost of every segment whole / G,
   2. Otherwise a greedy (`_greedy_pieces`). Segments whose cost beyond a run's fixed overhead
      (`per_run`, paid whole or cut) is at most eps/4 * T are *filler*; the others are taken
      longest first. (Counting the overhead would leave a kernel with a dear run almost no filler,
-     and the greedy would zig-zag short documents to close the last gaps.) Each rank's key is its cost plus its free
-     rows at an expected cost per row: the mean of everything unplaced, or for a kernel cost
-     the (lower) filler's, since a rank holding dear rows should get cheap rows later rather
-     than a split document. A segment goes whole to the lowest-key rank with room if that keeps
-     the key within (1 + eps/2) x the mean key (which grows by what splits add); otherwise it is
-     split head-tail (zig-zag) over the k lowest-key ranks with room, k = 2..G the smallest
-     within budget (or the best k), but only if that lowers the peak key below placing it whole.
-     Zig-zag cuts 2k equal chunks and gives rank i chunks i and 2k-1-i: the same pairs for each
-     (the same cost up to tile alignment; the dearest pair goes to the lowest key); the l mod 2k
-     leftover tokens are a run in the middle of the segment and are placed like a segment.
-     Whatever finds no room, then the filler segments in an order that mixes long and short
-     ones (golden-ratio stride over the length order), are cut to fill the ranks' free rows
-     exactly, lowest key first.
+     and the greedy would zig-zag short documents to close the last gaps.) Each rank's key is its
+     cost plus its free rows at an expected cost per row: the mean of everything unplaced, or for
+     a kernel cost the (lower) filler's, since a rank holding dear rows should get cheap rows
+     later rather than a split document. A segment goes whole to the lowest-key rank with room if
+     that keeps the key within (1 + eps/2) x the mean key (which grows by what splits add);
+     otherwise it is split head-tail (zig-zag) over the k lowest-key ranks with room, k = 2..G the
+     smallest within budget (or the best k), but only if that lowers the peak key below placing it
+     whole. Zig-zag cuts 2k equal chunks and gives rank i chunks i and 2k-1-i: the same pairs for
+     each (the same cost up to tile alignment; the dearest pair goes to the lowest key); the l mod
+     2k leftover tokens are a run in the middle of the segment and are placed like a segment.
+     Whatever finds no room, then the filler segments in an order that mixes long and short ones
+     (golden-ratio stride over the length order), are cut to fill the ranks' free rows exactly,
+     lowest key first.
   3. If the greedy misses 1 + eps too, every segment is zig-zagged over all G ranks (`_zigzag_pieces`)
      with its l mod 2G leftover tokens in its middle; for `PAIR_COUNT` those leftovers are
      pooled and dealt one token at a time in snake order, for a kernel cost (where a one-token
