@@ -595,7 +595,8 @@ def part_e2e(ctx: Ctx, args) -> dict:
             # consistent decision on every rank
             red = ctx.reduce([oom, err, res.get("step_s", 0), res.get("peak_gib", 0), res.get("first_s", 0)])
             row = {"model": model, "G": G, "tokens": S, "docs": res.get("docs"), "kernel": res.get("kernel"),
-                   "fused_ce": args.e2e_fused_ce, "kv_chunks": args.kv_chunks if G > 1 else None}
+                   "fused_ce": args.e2e_fused_ce, "kv_chunks": args.kv_chunks if G > 1 else None,
+                   "grad_sync": args.e2e_grad_sync if G > 1 else None}
             if red[0]:
                 row["status"] = "OOM"
             elif red[1]:
@@ -622,7 +623,7 @@ def part_e2e(ctx: Ctx, args) -> dict:
     return {"rows": rows, "columns": E2E_COLUMNS, "largest_pack_that_trains": largest}
 
 
-E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "kv_chunks", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
+E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "kv_chunks", "grad_sync", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
                "per_gpu_vs_G1", "per_gpu_vs_G1_same_per_gpu", "peak_gib", "note"]
 
 
@@ -639,7 +640,7 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--e2e-child", json.dumps({**job, "result": str(result)}),
            "--out", str(ctx.out), "--device", args.device, "--timeout-s", str(args.e2e_child_timeout_s),
            "--steps", str(args.steps), "--e2e-kernel", args.e2e_kernel, "--e2e-layout", args.e2e_layout,
-           "--kv-chunks", str(args.kv_chunks)] + (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else []) + (["--no-checkpointing"] if not args.checkpointing else [])
+           "--kv-chunks", str(args.kv_chunks), "--e2e-grad-sync", args.e2e_grad_sync] + (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else []) + (["--no-checkpointing"] if not args.checkpointing else [])
     with open(raw / f"{job['tag']}_rank{ctx.rank}.log", "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         t0 = time.time()
@@ -711,6 +712,12 @@ def e2e_child(args) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if args.e2e_fused_ce and not enable_fused_cross_entropy(model):
             raise RuntimeError(f"--e2e-fused-ce: {fused_cross_entropy_unavailable(model)}")
+        ddp = group is not None and args.e2e_grad_sync == "ddp"
+        if ddp:  # the README's recipe: DDP over the CP ranks, bucketed all-reduces overlapped with backward
+            from torch.nn.parallel import DistributedDataParallel
+
+            model = DistributedDataParallel(model, device_ids=[device] if cuda else None, process_group=group,
+                                            gradient_as_bucket_view=True)
         cp_config = bdcp.CPConfig(args.e2e_kernel, "allgather", layout=args.e2e_layout, kv_chunks=args.kv_chunks)
         S = job["tokens"]
         lengths = histogram_lengths(HIST_CSV, S, seed=0, cap_fraction=0.25)
@@ -729,11 +736,11 @@ def e2e_child(args) -> None:
             t0 = time.perf_counter()
             train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=cp_config)
             with train_ctx() as step:
-                out["kernel"] = _kernel_name(step, model)
+                out["kernel"] = _kernel_name(step, model.module if ddp else model)
                 if fake_oom and rank == G - 1:  # testing hook: one rank fails mid-step, the others are in a collective
                     raise torch.OutOfMemoryError("MULTIGPU_FAKE_OOM_TOKENS")
                 model(**local).loss.backward()
-            if group is not None:  # the CP gradient average DDP would do (not overlapped here)
+            if group is not None and not ddp:  # the CP gradient all-reduce, per parameter, after backward (exposed)
                 for p in model.parameters():
                     if p.grad is not None:
                         dist.all_reduce(p.grad, group=group)
@@ -920,6 +927,9 @@ def parse_args(argv=None):
     p.add_argument("--e2e-kernel", default="auto", help="e2e attention kernel (CPConfig.attn_backend)")
     p.add_argument("--e2e-layout", default="contiguous", help="e2e layout strategy")
     p.add_argument("--e2e-fused-ce", action="store_true", help="e2e loss: Liger's fused linear cross-entropy")
+    p.add_argument("--e2e-grad-sync", choices=["allreduce", "ddp"], default="allreduce",
+                   help="e2e gradient sync over the CP group at G > 1: one all-reduce per parameter after backward "
+                        "(exposed; what the scaling model's T_ar models) or DDP (bucketed, overlapped with backward)")
     p.add_argument("--kv-chunks", type=int, default=bdcp.CPConfig.kv_chunks,
                    help="KV-head groups the exchange is pipelined in (attention and e2e parts)")
     p.add_argument("--overlap-chunks", type=int, nargs="+", default=[1, 2, 4, 8],

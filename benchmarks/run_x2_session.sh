@@ -11,6 +11,9 @@
 #   3  carry .fa4b:  source .fa4b/activate.sh && PHASE=3 E2E_LAYOUT=... bash benchmarks/run_x2_session.sh
 #      multigpu.py e2e (1.2B, fa4 via auto, fused CE) at G = 1 and 2 up to 1M tokens;
 #      then the FA4 / Liger GPU tests
+#   3b carry .fa4b:  source .fa4b/activate.sh && PHASE=3b E2E_LAYOUT=... bash benchmarks/run_x2_session.sh
+#      phase 3's G = 2 rows with DDP (--e2e-grad-sync ddp: bucketed all-reduces overlapped with
+#      backward, the README's recipe) beside the per-parameter all-reduce after backward
 # Everything lands in $OUT/results.tgz (a call returns only a few files).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,6 +49,11 @@ case "$PHASE" in
   ( export CUDA_VISIBLE_DEVICES=0; timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fa4_fused_ce.py tests/gpu/test_trainer_liger.py ) \
       >"$W/gpu_tests_fa4_liger.log" 2>&1
   ;;
+3b)
+  for sync in allreduce ddp; do
+    timeout 250 bash -c "$(declare -f mg); mg --out $W/g2_fa4_$sync --parts e2e --e2e-models 1.2b --e2e-fused-ce \
+        --e2e-layout ${E2E_LAYOUT:-contiguous} --e2e-tokens 131072 --e2e-grad-sync $sync --e2e-budget-s 200" >"$W/g2_fa4_$sync.log" 2>&1
+  done ;;
 4)  # ours (auto) vs HF flex at 16k alone on GPU 0 (timing-sensitive: nothing else runs)
   ( export CUDA_VISIBLE_DEVICES=0; timeout 400 python3 -m hf_blockdiag_cp.bench model --methods blockdiag_cp/auto hf_flex \
       --seq-lens 16384 --block-steps 4 --rounds 2 --one-block --out "$W/model_16k_alone" ) >"$W/model_16k_alone.log" 2>&1 ;;

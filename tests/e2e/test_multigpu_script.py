@@ -58,3 +58,21 @@ def test_multigpu_script_cpu_smoke(tmp_path):
         for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):
             assert r[key] > 0, (key, r)
     assert "part | ok | s | headline" in proc.stdout  # the short table is printed last
+
+
+def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
+    """The e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP over the CP ranks) runs its
+    steps at G = 2 on gloo and records how gradients were synchronised."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+        "--device", "cpu", "--tiny", "--parts", "e2e", "--e2e-grad-sync", "ddp", "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "multigpu_G2.json").read_text())["parts"]["e2e"]["rows"]
+    assert [r["tokens"] for r in rows] == [256, 512, 1024]
+    for r in rows:
+        assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["status"] == "ok", r
+        assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
