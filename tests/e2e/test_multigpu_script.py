@@ -76,3 +76,24 @@ def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
     for r in rows:
         assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["status"] == "ok", r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
+
+
+def test_multigpu_script_parity_at_four_ranks(tmp_path):
+    """Issue 17's script at G = 4 (gloo, CPU, dense kernel, fp32): every kernel x exchange x layout
+    row of the parity part matches the stock model run per document (<= 1e-4), including the pack
+    with an all-padding rank and the document over all ranks."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
+        "--device", "cpu", "--tiny", "--parts", "parity", "--out", str(out),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((out / "multigpu_G4.json").read_text())
+    assert result["env"]["G"] == 4
+    parity = result["parts"]["parity"]["rows"]
+    assert len(parity) == 18 and {r["pack"] for r in parity} == {"straddle", "padding_rank", "span_all"}
+    assert any(r["padding_ranks"] >= 1 for r in parity if r["pack"] == "padding_rank")
+    for r in parity:
+        assert r["status"] == "pass" and r["loss_err"] <= 1e-4 and r["grad_err_max_param"] <= 1e-4, r
