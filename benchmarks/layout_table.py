@@ -3,6 +3,8 @@
 Prints a markdown table and writes it to benchmarks/results/layout_table.md. Every number comes
 from the planner (`plan_layout`, `layout_cost`); nothing runs a kernel. Columns:
   work max/mean  per-rank block-causal attention work, max over ranks / mean (1.00 = perfect)
+  cost max/ideal the balanced layout's objective: predicted kernel cost (default KernelCost, the
+                 varlen calibration) of the dearest rank over the whole pack's cost / G
   tokens/rank    real (non-padding) rows per rank, min-max (every rank holds L = S_pad/G rows)
   allgather MB   K/V bytes one rank receives per layer in the all-gather exchange
   a2a MB         K/V bytes the busiest rank receives per layer in an exact all-to-all-v of the
@@ -129,7 +131,8 @@ def row(name: str, packs: list[list[int]], g: int) -> str:
     halo = f"{mean(c, lambda x: x.halo_valid):.0%} / {mean(b, lambda x: x.halo_valid):.0%}"
     return (
         f"| {name} | {g} | {docs:.0f} | {mean(c, lambda x: x.imbalance):.3f} | {statistics.fmean(imb_b):.3f} "
-        f"| {max(imb_b):.3f} | {tokens} | {c[0].allgather_bytes[0] / MB:.0f} "
+        f"| {max(imb_b):.3f} | {mean(c, lambda x: x.over_ideal):.3f} | {mean(b, lambda x: x.over_ideal):.3f} "
+        f"| {max(x.over_ideal for x in b):.3f} | {tokens} | {c[0].allgather_bytes[0] / MB:.0f} "
         f"| {mean(c, lambda x: max(x.a2a_bytes)) / MB:.0f} | {mean(b, lambda x: max(x.a2a_bytes)) / MB:.0f} "
         f"| {mean(c, lambda x: x.split_documents):.1f} | {mean(b, lambda x: x.split_documents):.1f} | {halo} "
         f"| {ms_c:.2f} | {ms:.2f} | {ms_b:.2f} |"
@@ -168,10 +171,11 @@ def main() -> None:
         f"Planner table: 128k-token packs, {args.packs} random packs per scenario (mean; 'worst' = worst balanced pack). "
         f"K/V: 8 kv heads x (128+128) x bf16 per row, per layer, forward. Histogram: {path.name}.",
         "",
-        "| pack | G | docs | work max/mean contiguous | balanced | balanced worst | tokens/rank (balanced) "
+        "| pack | G | docs | work max/mean contiguous | balanced | balanced worst "
+        "| predicted cost max/ideal contiguous | balanced | balanced worst | tokens/rank (balanced) "
         "| allgather MB/rank | a2a MB max rank, contiguous | a2a balanced | split docs contiguous | split balanced "
         "| halo valid contiguous / balanced | plan_layout ms contiguous | plan_layout ms balanced | balancing step ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, packs in cases.items():
         for g in CP_SIZES:
