@@ -459,7 +459,8 @@ def balanced_slot_positions(
     local_len = s_pad // cp_size
     contiguous = _contiguous_pieces(bounds, cp_size, local_len).cost_per_rank(cp_size, kernel_cost)
     # T: every segment whole, divided by G (for the pair count the same as any layout's mean).
-    limit = (1.0 + tolerance) * float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
+    target = float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
+    limit = (1.0 + tolerance) * target
     if cp_size == 1 or contiguous.max() <= limit:
         return torch.arange(s_pad).view(cp_size, local_len)
     moves, stop = _REFINE_MOVES * cp_size, 1.0 + _REFINE_SHARE * tolerance
@@ -473,7 +474,7 @@ def balanced_slot_positions(
     if contiguous.max() == best:
         return torch.arange(s_pad).view(cp_size, local_len)
     chosen = _refine(greedy if greedy_max == best else zigzag, cp_size, kernel_cost, moves, stop)
-    retry_above = (1.0 + _RETRY_ABOVE * tolerance) * float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
+    retry_above = (1.0 + _RETRY_ABOVE * tolerance) * target
     if not kernel_cost.splits_are_free and chosen.cost_per_rank(cp_size, kernel_cost).max() > retry_above:
         chosen = _retry_greedy(chosen, starts, lengths, cp_size, local_len, tolerance, kernel_cost, moves, stop)
     return chosen.slot_positions(cp_size, local_len)
@@ -481,14 +482,14 @@ def balanced_slot_positions(
 
 def _retry_greedy(chosen: Pieces, starts, lengths, cp_size: int, local_len: int, tolerance: float,
                   kernel_cost: KernelCost, moves: int, stop: float) -> Pieces:
-    """Step 5 of the module docstring: greedy candidates with looser budgets, when the layout missed 1 + eps.
+    """Step 5 of the module docstring: greedy candidates with looser budgets, for a layout above (1 + 2 eps) T.
 
     Under a kernel cost the greedy is sensitive to its budget: near the end, when every key is close
     to it, a long document can be zig-zagged over all G ranks (32 chunks of 321 tokens for a 10k
     document at G = 16), which adds more key tiles and runs than it evens out. A looser budget
-    places such documents whole or over fewer ranks. Each candidate is refined like the first; one
-    replaces the layout only if its predicted peak is lower by more than `_RETRY_GAIN`, so layouts
-    the first pass already balanced stay as they are."""
+    places such documents whole or over fewer ranks. The candidates with the lowest greedy peaks are
+    refined like the first layout; one replaces it only if its predicted peak is lower by more than
+    `_RETRY_GAIN`, so layouts the first pass already balanced stay as they are."""
     greedy = [_greedy_pieces(starts, lengths, cp_size, local_len, tolerance * f, kernel_cost) for f in _RETRY_FACTORS]
     # Refinement costs about 3x a greedy pass: only the _RETRY_REFINED candidates with the lowest greedy peaks are refined.
     greedy.sort(key=lambda g: g.cost_per_rank(cp_size, kernel_cost).max())
