@@ -16,15 +16,21 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"
 
 
-def test_multigpu_script_cpu_smoke(tmp_path):
-    out = tmp_path / "out"
+def run_script(out: Path, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc benchmarks/multigpu.py --device cpu --tiny ARGS --out out`, which must exit 0."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-        "--device", "cpu", "--tiny", "--parts", "parity,attention,overlap", "--out", str(out),
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT),
+        "--device", "cpu", "--tiny", *args, "--out", str(out),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_multigpu_script_cpu_smoke(tmp_path):
+    out = tmp_path / "out"
+    proc = run_script(out, 2, "--parts", "parity,attention,overlap")
     result = json.loads((out / "multigpu_G2.json").read_text())
     assert (out / "multigpu_G2.md").exists() and (out / "raw" / "rank0.log").exists() and (out / "raw" / "rank1.log").exists()
     assert result["env"]["G"] == 2
@@ -64,13 +70,7 @@ def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
     """The e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP over the CP ranks) runs its
     steps at G = 2 on gloo and records how gradients were synchronised."""
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-        "--device", "cpu", "--tiny", "--parts", "e2e", "--e2e-grad-sync", "ddp", "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(out, 2, "--parts", "e2e", "--e2e-grad-sync", "ddp")
     rows = json.loads((out / "multigpu_G2.json").read_text())["parts"]["e2e"]["rows"]
     assert [r["tokens"] for r in rows] == [256, 512, 1024]
     for r in rows:
@@ -83,13 +83,7 @@ def test_multigpu_script_parity_at_four_ranks(tmp_path):
     row of the parity part matches the stock model run per document (<= 1e-4), including the pack
     with an all-padding rank and the document over all ranks."""
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(SCRIPT),
-        "--device", "cpu", "--tiny", "--parts", "parity", "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_script(out, 4, "--parts", "parity", timeout=240)
     result = json.loads((out / "multigpu_G4.json").read_text())
     assert result["env"]["G"] == 4
     parity = result["parts"]["parity"]["rows"]
