@@ -48,10 +48,10 @@ Algorithm (`balanced_slot_positions`), with T = cost of every segment whole / G,
   5. If the refined layout's peak is still above (1 + 2 eps) T (under a kernel cost), greedy
      candidates with budgets of 2, 4, 8 and 16 x eps (`_retry_greedy`); the two with the lowest
      peaks are refined as in 4, and one replaces the layout only if it lowers the predicted peak
-     by more than 2 %. The greedy is
-     sensitive to its budget: when every key is near it, a long document can be zig-zagged over
-     all G ranks (32 chunks of 321 tokens for a 10k document at G = 16), adding more key tiles
-     and runs than it evens out; a looser budget keeps it whole or on fewer ranks.
+     by more than 2 %. The greedy is sensitive to its budget: when every key is near it, a long
+     document can be zig-zagged over all G ranks (32 chunks of 321 tokens for a 10k document at G
+     = 16), adding more key tiles and runs than it evens out; a looser budget keeps it whole or on
+     fewer ranks.
 
 Cost per step: O(n log n) in the number of segments n for sorting, a Python loop of O(G log G)
 per non-filler segment (at most 4G/eps of them), vectorised numpy for the filler, at most 2G
@@ -474,13 +474,13 @@ def balanced_slot_positions(
     if contiguous.max() == best:
         return torch.arange(s_pad).view(cp_size, local_len)
     chosen = _refine(greedy if greedy_max == best else zigzag, cp_size, kernel_cost, moves, stop)
-    retry_above = (1.0 + _RETRY_ABOVE * tolerance) * target
-    if not kernel_cost.splits_are_free and chosen.cost_per_rank(cp_size, kernel_cost).max() > retry_above:
-        chosen = _retry_greedy(chosen, starts, lengths, cp_size, local_len, tolerance, kernel_cost, moves, stop)
+    peak = chosen.cost_per_rank(cp_size, kernel_cost).max()
+    if not kernel_cost.splits_are_free and peak > (1.0 + _RETRY_ABOVE * tolerance) * target:
+        chosen = _retry_greedy(chosen, peak, starts, lengths, cp_size, local_len, tolerance, kernel_cost, moves, stop)
     return chosen.slot_positions(cp_size, local_len)
 
 
-def _retry_greedy(chosen: Pieces, starts, lengths, cp_size: int, local_len: int, tolerance: float,
+def _retry_greedy(chosen: Pieces, chosen_peak: float, starts, lengths, cp_size: int, local_len: int, tolerance: float,
                   kernel_cost: KernelCost, moves: int, stop: float) -> Pieces:
     """Step 5 of the module docstring: greedy candidates with looser budgets, for a layout above (1 + 2 eps) T.
 
@@ -493,7 +493,7 @@ def _retry_greedy(chosen: Pieces, starts, lengths, cp_size: int, local_len: int,
     greedy = [_greedy_pieces(starts, lengths, cp_size, local_len, tolerance * f, kernel_cost) for f in _RETRY_FACTORS]
     # Refinement costs about 3x a greedy pass: only the _RETRY_REFINED candidates with the lowest greedy peaks are refined.
     greedy.sort(key=lambda g: g.cost_per_rank(cp_size, kernel_cost).max())
-    best = chosen.cost_per_rank(cp_size, kernel_cost).max() * (1.0 - _RETRY_GAIN)
+    best = chosen_peak * (1.0 - _RETRY_GAIN)
     for candidate in greedy[:_RETRY_REFINED]:
         candidate = _refine(candidate, cp_size, kernel_cost, moves, stop)
         peak = candidate.cost_per_rank(cp_size, kernel_cost).max()
