@@ -4,7 +4,8 @@ sequences in unmodified Hugging Face Transformers models.
 `import hf_blockdiag_cp` registers the attention implementation `"blockdiag_cp"`. The root
 holds the user's names; internals live in their subpackages, bottom up: `planning` (pure),
 `comm` (collectives), `kernels` (local attention), `step` (shard step and step object),
-`attention` (Transformers entry points), `data` (packing, sampler, collator) and
+`attention` (Transformers entry points), `model_patches` (per-family patches; the repository's
+top-level `model_patches/` folder), `data` (packing, sampler, collator) and
 `integrations` (transformers, accelerate, Trainer). The Trainer names are imported on first
 use: `transformers.Trainer` is heavy.
 """
@@ -23,13 +24,11 @@ from .step import (
     shard_batch,
 )
 
-_register()
+from .attention.model_check import register_model_check
+from .model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches, check_attention_module
 
-# Model patches: a top-level package that imports this one; loading it here registers its
-# model check with the attention entry point (attention.model_check), its only link back.
-from model_patches.registry import apply_model_patches  # noqa: E402
-from model_patches.unsupported import UNSUPPORTED_MODEL_TYPES  # noqa: E402
-import model_patches as _model_patches  # noqa: E402,F401
+_register()
+register_model_check(check_attention_module)  # attention asks the model patches through this hook
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,7 @@
 """Per-family patches for models that need more than the attention interface (see README).
 
+Installed as `hf_blockdiag_cp.model_patches` (the repository's top-level `model_patches/`
+folder); the package root registers `check_attention_module` with the attention entry point.
 `apply_model_patches(model)` installs what a model needs (registry keyed by `model_type`);
 the runtime refuses, at the first attention call of a CP step, a model that needs a patch it
 did not get or whose type is known to bypass the interface (`UNSUPPORTED_MODEL_TYPES`).
@@ -8,13 +10,9 @@ Families: `phi3` (LongRoPE / dynamic RoPE from the global pack), `qwen2_vl` (Qwe
 Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions).
 """
 
-from hf_blockdiag_cp.attention.model_check import register_model_check
-
 from . import phi3, qwen2_vl  # noqa: F401  (registration)
 from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
 from .unsupported import UNSUPPORTED_MODEL_TYPES
-
-register_model_check(check_attention_module)  # the library's one hook into the patches
 
 __all__ = [
     "PATCHES",

@@ -1,9 +1,9 @@
 """The one hook through which attention asks the model patches whether a model can train under CP.
 
-`model_patches` (a top-level package that imports this library) registers its check here on
-import (`register_model_check`); the attention entry point calls it once per step and module
-class. Keeping the hook here means the library never imports `model_patches`'s internals,
-and no import cycle forms.
+The package root registers `hf_blockdiag_cp.model_patches.check_attention_module` here
+(`register_model_check`); the attention entry point calls it once per step and module class.
+The patches sit above attention (they use the step state), so attention reaches them only
+through this hook.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def check_model_support(step, module: torch.nn.Module) -> None:
     """Raise (once per step and module class) if this model type bypasses the interface or lacks its patch."""
     if _MODEL_CHECK is None:
         raise RuntimeError(
-            "blockdiag_cp: no model check is registered; `import hf_blockdiag_cp` (which loads model_patches) "
+            "blockdiag_cp: no model check is registered; `import hf_blockdiag_cp` (which registers the model patches' check) "
             "before running a CP step"
         )
     step.cached(("model_support", type(module)), lambda: _MODEL_CHECK(module) or True)

@@ -43,6 +43,7 @@ from ..comm.exchange import all_gather_single
 from ..data.collator import BlockdiagCPCollator
 from ..data.loader import dp_cp_coordinates, packed_dataloader
 from ..config import CPConfig, default_config
+from ..model_patches import apply_model_patches
 from ..step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
 from ..step.build import layout_options
 from .transformers import ATTN_IMPLEMENTATION
@@ -338,9 +339,7 @@ class BlockdiagCPTrainerMixin:
         self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
         self.packing.validate(cp_size)
         super().__init__(*args, **kwargs)
-        import model_patches  # per-family patches (Phi-3 global RoPE, ...); idempotent
-
-        model_patches.apply_model_patches(self.model)
+        apply_model_patches(self.model)  # per-family patches (Phi-3 global RoPE, ...); idempotent
         self.add_callback(self.cp_callback)
         self._check_trainer_setup()
         self.cp_coordinates = CPCoordinates.of(self.args.world_size, self.args.process_index, cp_size)

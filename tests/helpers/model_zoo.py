@@ -29,7 +29,7 @@ from transformers import (
 )
 
 import hf_blockdiag_cp as bdcp
-import model_patches
+from hf_blockdiag_cp import model_patches
 from helpers.reference import COMMON_CONFIG, VOCAB, reference_loss_and_grads  # noqa: F401 (re-exported)
 
 WINDOW = 3  # smaller than every shard in the packs used here

@@ -7,10 +7,14 @@ import ast
 from pathlib import Path
 
 import hf_blockdiag_cp
+import hf_blockdiag_cp.model_patches
 
 PACKAGE = Path(hf_blockdiag_cp.__file__).parent
+# model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
+PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["config", "planning", "comm", "kernels", "step", "attention", "data", "integrations", "bench"]
+LAYERS = ["config", "planning", "comm", "kernels", "step", "attention", "model_patches", "data", "integrations",
+          "bench"]
 BELOW = {
     "planning": set(),
     "comm": {"planning"},
@@ -18,25 +22,31 @@ BELOW = {
     "config": {"planning", "kernels"},
     "step": {"planning", "comm", "kernels", "config"},
     "attention": {"planning", "comm", "kernels", "step"},
+    "model_patches": {"planning", "comm", "kernels", "config", "step", "attention"},
     "data": {"config", "planning", "step"},
-    "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "data"},
+    "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "model_patches", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
 
 
-def _layer(path: Path) -> str:
-    rel = path.relative_to(PACKAGE)
-    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.name != "__init__.py" else "__init__"
+def _modules():
+    """(layer, dotted module parts, path) of every module of the installed package, model patches included."""
+    for root, prefix in ((PACKAGE, ("hf_blockdiag_cp",)), (PATCHES, ("hf_blockdiag_cp", "model_patches"))):
+        for path in sorted(root.rglob("*.py")):
+            parts = prefix + path.relative_to(root).with_suffix("").parts
+            if len(parts) == 2 and parts[1] == "__init__":
+                continue  # the package root may import every layer
+            yield parts[1].removesuffix(".py"), parts, path
 
 
-def _imported_layers(path: Path) -> set[tuple[str, str]]:
+def _imported_layers(parts: tuple[str, ...], path: Path) -> set[tuple[str, str]]:
     """(layer, full module name) of every hf_blockdiag_cp import in `path`, top-level and in-function."""
     found = set()
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    package = parts[:-1]  # the package a relative import starts from
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
-                base = list(parts[: len(parts) - node.level])
+                base = list(package[: len(package) - node.level + 1])
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
@@ -49,6 +59,8 @@ def _imported_layers(path: Path) -> set[tuple[str, str]]:
             bits = n.split(".")
             if bits[0] == "hf_blockdiag_cp" and len(bits) > 1:
                 found.add((bits[1] if bits[1] in LAYERS else "root", n))
+            elif bits[0] == "model_patches":
+                found.add(("top-level model_patches", n))
             elif bits[0] in ("torch",) and n.startswith("torch.distributed"):
                 found.add(("torch.distributed", n))
     return found
@@ -56,18 +68,21 @@ def _imported_layers(path: Path) -> set[tuple[str, str]]:
 
 def test_layers_depend_only_downward():
     wrong = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        layer = _layer(path)
-        if layer == "__init__":
-            continue
-        for target, name in _imported_layers(path):
+    for layer, parts, path in _modules():
+        for target, name in _imported_layers(parts, path):
             if target == "torch.distributed":
                 if layer == "planning":
-                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (planning is pure)")
+                    wrong.append(f"{'.'.join(parts)} imports {name} (planning is pure)")
                 continue
             if target != layer and target not in BELOW[layer]:
-                wrong.append(f"{path.relative_to(PACKAGE)} ({layer}) imports {name} ({target})")
+                wrong.append(f"{'.'.join(parts)} ({layer}) imports {name} ({target})")
     assert wrong == []
+
+
+def test_model_patches_install_inside_the_package():
+    assert hf_blockdiag_cp.model_patches.__name__ == "hf_blockdiag_cp.model_patches"
+    assert hf_blockdiag_cp.apply_model_patches is hf_blockdiag_cp.model_patches.apply_model_patches
+    assert any(layer == "model_patches" for layer, _, _ in _modules())
 
 
 def test_root_exports_the_users_names_only():

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
-from model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
+from hf_blockdiag_cp.model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
 from helpers.model_zoo import build_pair
 
 # Stock defaults that do not build as they are.
