@@ -1,17 +1,22 @@
 """Communication over the CP group: differentiable K/V exchanges (`exchange`), the per-step
-consensus all-reduce (`consensus`), failure handling (`failure`) and group resolution (`group`)."""
+consensus all-reduce (`consensus`), failure handling (`failure`), group resolution (`group`) and
+the dp × cp placement and mesh (`mesh`)."""
 
 from .consensus import Agreement, agree, checksum, collective_device
 from .exchange import EXCHANGES, ExchangeMeter, exchange_kv
 from .failure import check_group_usable, fail_group
 from .group import CPGroup, group_spans_nodes, resolve_cp_group
+from .mesh import DPCPCoordinates, DPCPMesh, build_dp_cp_mesh
 
 __all__ = [
     "EXCHANGES",
     "Agreement",
     "CPGroup",
+    "DPCPCoordinates",
+    "DPCPMesh",
     "ExchangeMeter",
     "agree",
+    "build_dp_cp_mesh",
     "check_group_usable",
     "checksum",
     "collective_device",

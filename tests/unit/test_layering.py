@@ -23,7 +23,7 @@ BELOW = {
     "step": {"planning", "comm", "kernels", "config"},
     "attention": {"planning", "comm", "kernels", "step"},
     "model_patches": {"planning", "comm", "kernels", "config", "step", "attention"},
-    "data": {"config", "planning", "step"},
+    "data": {"config", "planning", "comm", "step"},
     "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "model_patches", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }

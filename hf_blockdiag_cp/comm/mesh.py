@@ -1,0 +1,89 @@
+"""Where a rank sits in the dp × cp grid, and the one DeviceMesh builder for that grid.
+
+CP is the fastest-varying dimension: the CP group of global rank r is the ranks
+`[dp_rank * cp, (dp_rank + 1) * cp)`. The custom loop, the Trainer and the data loader all
+place ranks through `DPCPCoordinates`, and every mesh comes from `build_dp_cp_mesh`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+@dataclass(frozen=True)
+class DPCPCoordinates:
+    """Global `rank` of `world_size` processes in a grid of `world_size // cp_size` DP replicas × `cp_size`."""
+
+    world_size: int
+    rank: int
+    cp_size: int
+
+    def __post_init__(self):
+        _positive_int("world_size", self.world_size)
+        _positive_int("cp_size", self.cp_size)
+        if self.world_size % self.cp_size:
+            raise ValueError(f"world_size={self.world_size} must be divisible by cp_size={self.cp_size}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={self.world_size}); got {self.rank!r}")
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp_size
+
+    @property
+    def cp_group_ranks(self) -> list[int]:
+        """The global ranks of this rank's CP group, in CP-rank order."""
+        return list(range(self.dp_rank * self.cp_size, (self.dp_rank + 1) * self.cp_size))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class DPCPMesh:
+    """The 2-D `("dp", "cp")` DeviceMesh and its flattened 1-D `"dp_cp"` mesh (kept here: slicing a
+    flattened dimension back out of the root mesh is deprecated in torch)."""
+
+    mesh: object  # DeviceMesh ("dp", "cp")
+    dp_cp: object  # DeviceMesh ("dp_cp",): all ranks, what DDP / FSDP2 reduce over
+
+    @property
+    def cp(self):
+        """The 1-D CP mesh that `make_cp_blockdiag_batch_and_ctx` takes."""
+        return self.mesh["cp"]
+
+    @property
+    def dp(self):
+        return self.mesh["dp"]
+
+
+def build_dp_cp_mesh(coords: DPCPCoordinates, device_type: str) -> DPCPMesh | None:
+    """`init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))` plus its flattened
+    `"dp_cp"` mesh; None for a world of one process. Raises if the mesh places this rank elsewhere
+    than `coords` (every other part of the library assumes CP fastest-varying)."""
+    if coords.world_size == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (coords.dp_size, coords.cp_size), mesh_dim_names=("dp", "cp"))
+    placed = (mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())
+    if placed != (coords.dp_rank, coords.cp_rank):
+        raise RuntimeError(
+            f"DeviceMesh placed rank {coords.rank} at (dp, cp) = {placed}; expected "
+            f"{(coords.dp_rank, coords.cp_rank)} with cp fastest-varying"
+        )
+    return DPCPMesh(mesh, mesh["dp", "cp"]._flatten("dp_cp"))  # as accelerate does for dp_shard_cp
