@@ -28,7 +28,7 @@ def test_pyproject_lists_every_package_folder():
 def test_model_patches_is_not_a_top_level_package():
     import hf_blockdiag_cp.model_patches as patches
 
-    assert Path(patches.__file__).parent == REPO / "model_patches"
+    assert Path(patches.__file__).resolve().parent == (REPO / "model_patches").resolve()
     spec = importlib.util.find_spec("model_patches")
     # Only a checkout on sys.path (the repository root as the working directory) shows the folder itself.
     assert spec is None or Path(spec.origin).parent == REPO / "model_patches" and str(REPO) in _sys_path()
