@@ -14,30 +14,9 @@ import torch
 import torch.distributed as dist
 
 from ...comm.consensus import collective_device
+from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh
 from ...data.collator import BlockdiagCPCollator
-from ...data.loader import dp_cp_coordinates
 from ..transformers import ATTN_IMPLEMENTATION
-
-
-@dataclass(frozen=True)
-class CPCoordinates:
-    """Where this process sits in the dp x cp grid (CP fastest-varying: CP group = ranks [dp*cp, (dp+1)*cp))."""
-
-    world_size: int
-    rank: int
-    cp_size: int
-    dp_size: int
-    dp_rank: int
-    cp_rank: int
-
-    @staticmethod
-    def of(world_size: int, rank: int, cp_size: int) -> "CPCoordinates":
-        dp_size, dp_rank, cp_rank = dp_cp_coordinates(world_size, rank, cp_size)
-        return CPCoordinates(world_size, rank, cp_size, dp_size, dp_rank, cp_rank)
-
-    @property
-    def cp_group_ranks(self) -> list[int]:
-        return list(range(self.dp_rank * self.cp_size, (self.dp_rank + 1) * self.cp_size))
 
 
 @dataclass(frozen=True)
@@ -195,20 +174,16 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
 # --------------------------------------------------------------------------- ranks and groups
 
 
-def resolve_cp_mesh(cp_mesh, coords: CPCoordinates, device_type: str):
-    """The CP mesh of this rank: the given one after checking its ranks, else a new one (None without CP)."""
+def resolve_cp_mesh(cp_mesh, coords: DPCPCoordinates, device_type: str):
+    """The CP mesh of this rank: the given one after checking its ranks, else `build_dp_cp_mesh`'s
+    (None without CP)."""
     if cp_mesh is None:
-        if coords.cp_size == 1:
-            return None
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, (coords.dp_size, coords.cp_size), mesh_dim_names=("dp", "cp"))
-        return mesh["cp"]
+        return build_dp_cp_mesh(coords, device_type).cp if coords.cp_size > 1 else None
     ranks = dist.get_process_group_ranks(_cp_group_of(cp_mesh))
     if sorted(ranks) != coords.cp_group_ranks:
         raise ValueError(
             f"cp_mesh holds ranks {sorted(ranks)}; expected {coords.cp_group_ranks} (cp_size={coords.cp_size}, CP "
-            "fastest-varying: init_device_mesh(device, (dp, cp), mesh_dim_names=('dp', 'cp'))['cp'])"
+            "fastest-varying: build_dp_cp_mesh(DPCPCoordinates(world_size, rank, cp_size), device_type).cp)"
         )
     return cp_mesh
 

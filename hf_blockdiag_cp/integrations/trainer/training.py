@@ -27,6 +27,7 @@ import torch
 from transformers import Trainer
 
 from ...comm.consensus import agree
+from ...comm.mesh import DPCPCoordinates
 from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
@@ -35,7 +36,6 @@ from ...step.build import layout_options
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
-    CPCoordinates,
     PackingOptions,
     check_no_foreign_parallelism,
     check_trainer_setup,
@@ -52,7 +52,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
       cp_size: ranks per CP group (1 = no CP, packing only). The world must be a multiple.
       max_tokens: tokens per pack (required; a multiple of 2*cp_size).
       cp_mesh: optional 1-D DeviceMesh or ProcessGroup of this rank's CP group; it must hold ranks
-        [dp*cp_size, (dp+1)*cp_size). Default: built with `init_device_mesh(..., ("dp", "cp"))`.
+        [dp*cp_size, (dp+1)*cp_size). Default: `hf_blockdiag_cp.comm.build_dp_cp_mesh(...).cp`.
       cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
         default, `configure_cp`). Its layout shards training and evaluation packs.
       pad_token_id, packing_buffer_size, oversize ("split"|"reject"), shuffle, length_key:
@@ -95,7 +95,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         apply_model_patches(self.model)  # per-family patches (Phi-3 global RoPE, ...); idempotent
         self.add_callback(self.cp_callback)
         check_trainer_setup(self, cp_size)
-        self.cp_coordinates = CPCoordinates.of(self.args.world_size, self.args.process_index, cp_size)
+        self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
 
     # ---------------------------------------------------------------- data
