@@ -137,15 +137,16 @@ def argument_error(args, world_size: int) -> str | None:
     return reason
 
 
-def check_launch(args, argument_error=argument_error) -> int:
-    """The world size, after checking the launch and `args` against it; on a problem, `fail`.
+def check_launch(args, errors=argument_error) -> int:
+    """The world size, after checking the launch and `args` against it (`errors(args, world_size)`
+    gives the reason a value cannot run, or None); on a problem, `fail`.
 
     Runs in every worker before any process group exists and needs no collective: every rank
     sees the same command line and world size, so every rank reaches the same verdict and a
     bad argument ends the run at once instead of one rank hanging in a collective.
     """
     world_size = launched_world_size()
-    reason = launch_error(sys.argv) or argument_error(args, world_size)
+    reason = launch_error(sys.argv) or errors(args, world_size)
     if reason is not None:
         fail(reason)
     return world_size
