@@ -122,23 +122,16 @@ def step_exchange(config: CPConfig, layout: Layout, group) -> tuple[str, Exchang
     return choose_exchange(requested, plan, cross_node_ok), plan
 
 
-def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary, strategy) -> dict:
-    """This rank's local batch: the pure shard step, or a batch a collator already sharded for this rank."""
+def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary) -> dict:
+    """This rank's local batch: the pure shard step, or a batch a collator already sharded for this
+    rank (which keeps the layout it was sharded with)."""
     if SHARD_KEY not in batch:
-        options = layout_options(config)
-        if strategy is not None:
-            options["strategy"] = strategy
-        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **options)
+        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **layout_options(config))
     info = batch[SHARD_KEY]
     if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
         raise ValueError(
             f"batch was sharded for CP rank {info.cp_rank} of {info.cp_size}, but this process is rank "
             f"{cp.rank} of {cp.size} in cp_mesh"
-        )
-    if strategy is not None and info.layout.strategy != strategy:
-        raise ValueError(
-            f"strategy={strategy!r}, but the batch was already sharded with strategy={info.layout.strategy!r}; "
-            "pass the strategy to the collator / shard_batch instead"
         )
     return dict(batch)
 
@@ -150,7 +143,6 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
-    strategy: str | None = None,
     *,
     config: CPConfig | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
@@ -160,8 +152,7 @@ def make_cp_blockdiag_batch_and_ctx(
     `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
     `model(**local_batch)` and its backward inside `with train_ctx():` (`train_ctx` is the
     step object's `activate`). `config` (default: the process default, `configure_cp`) picks
-    kernel, exchange and layout; `strategy` overrides the layout, and a pre-sharded batch
-    keeps its own layout (an explicit `strategy` that differs from it raises). `tp_mesh` is
+    kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with. `tp_mesh` is
     accepted and unused: tensor parallelism splits heads, which block-diagonal CP leaves
     alone, so a TP group needs nothing from this step.
 
@@ -178,7 +169,7 @@ def make_cp_blockdiag_batch_and_ctx(
     local = step = None
     agreement_values: dict[str, int] = {}
     try:
-        local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary, strategy)
+        local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary)
         info = local[SHARD_KEY]
         exchange, exchange_plan = step_exchange(config, info.layout, cp.group)
         # The exchange is agreed too: ranks that would run different collectives raise (I5).

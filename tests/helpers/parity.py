@@ -18,10 +18,10 @@ FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
 
 
 def parity_case(
-    rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous"
+    rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", layout_strategy="contiguous"
 ):
     """For every family and with/without activation checkpointing: the worst relative error."""
-    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, kernel_cost=PAIR_COUNT)
+    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, layout=layout_strategy, kernel_cost=PAIR_COUNT)
     worst = {}
     for family, overrides in families:
         for checkpointing in (False, True):
@@ -30,7 +30,7 @@ def parity_case(
             ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy, config=config)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
             with train_ctx():
                 loss = model(**local).loss
                 loss.backward()

@@ -38,8 +38,8 @@ def test_balanced_layouts_are_really_permuted(world_size):
 def exchange_case(rank, world_size, group, pack, exchange):
     """The exchange a balanced step actually runs for a configured name (halo falls back when invalid)."""
     _, batch = make_pack(pack, world_size)
-    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, kernel_cost=PAIR_COUNT)
-    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced", config=config)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, layout="balanced", kernel_cost=PAIR_COUNT)
+    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     return local[STEP_KWARG].kv_exchange, layout.strategy
 
 
@@ -65,7 +65,7 @@ def test_balanced_parity(gloo, world_size):
             if expected != exchange:
                 continue  # the fallback's step just ran above, and has its own parity case
             results = pool.run(
-                parity_case, layout=pack, families=families_for(pack, exchange), exchange=exchange, strategy="balanced"
+                parity_case, layout=pack, families=families_for(pack, exchange), exchange=exchange, layout_strategy="balanced"
             )
             for rank, worst in enumerate(results):
                 for variant, (err, name, loss_err) in worst.items():
