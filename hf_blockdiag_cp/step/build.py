@@ -152,9 +152,9 @@ def make_cp_blockdiag_batch_and_ctx(
     `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
     `model(**local_batch)` and its backward inside `with train_ctx():` (`train_ctx` is the
     step object's `activate`). `config` (default: the process default, `configure_cp`) picks
-    kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with. `tp_mesh` is
-    accepted and unused: tensor parallelism splits heads, which block-diagonal CP leaves
-    alone, so a TP group needs nothing from this step.
+    kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with.
+    `tp_mesh` is accepted and unused: tensor parallelism splits heads, which block-diagonal CP
+    leaves alone, so a TP group needs nothing from this step.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
     exchange choices) make every rank raise after one consensus all-reduce, never a hang.
