@@ -120,13 +120,15 @@ def test_sampler_invalid_arguments_name_the_field(kwargs, message):
         PackedBatchSampler([1, -2], 8)
 
 
-def test_explicit_strategy_must_match_a_presharded_batch():
-    """A batch sharded by the collator keeps its layout; asking for another one is an error (I7)."""
+def test_a_presharded_batch_keeps_its_layout():
+    """A batch sharded by the collator (or `shard_batch`) keeps the layout it was sharded with: the
+    step's config shards only full packs."""
     import hf_blockdiag_cp as bdcp
 
     full = bdcp.BlockdiagCPCollator(max_tokens=16)([{"input_ids": list(range(1, 10))}, {"input_ids": [3, 4, 5]}])
     local = bdcp.shard_batch(full, 1, 0, strategy="balanced")
-    _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local)
+    for config in (None, bdcp.CPConfig(layout="contiguous")):
+        _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, config=config)
+        assert layout.strategy == "balanced"
+    _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, full, config=bdcp.CPConfig(layout="balanced"))
     assert layout.strategy == "balanced"
-    with pytest.raises(ValueError, match="already sharded with strategy='balanced'"):
-        bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, strategy="contiguous")
