@@ -86,13 +86,15 @@ def docs_from_cu_seqlens(cu_seqlens: torch.Tensor, length: int, device) -> PackD
 def causal_conv_per_doc(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, docs: PackDocs) -> torch.Tensor:
     """Depthwise causal convolution of `x [S, C]` with `weight [C, K]`, restarted at every segment:
     out[t] = act(bias + sum_j weight[:, K-1-j] * x[t-j] for j <= offset of t in its segment), as
-    Transformers' `causal_conv1d_fn` computes it on each document alone."""
+    Transformers' `causal_conv1d_fn` computes it on each document alone. Accumulates in fp32 (or
+    wider) whatever the input dtype, so bf16 rounds once, at the end."""
     length, kernel, offsets = x.shape[0], weight.shape[-1], docs.offsets
-    xs = F.pad(x.to(weight.dtype), (0, 0, kernel - 1, 0))
-    out = torch.zeros_like(xs[kernel - 1 :]) if bias is None else bias.expand_as(xs[kernel - 1 :]).clone()
+    compute = torch.promote_types(weight.dtype, torch.float32)
+    xs, weight = F.pad(x.to(compute), (0, 0, kernel - 1, 0)), weight.to(compute)
+    out = xs.new_zeros(length, xs.shape[1]) if bias is None else bias.to(compute).expand(length, -1).clone()
     for j in range(kernel):
         shifted = xs[kernel - 1 - j : kernel - 1 - j + length]
-        keep = (offsets >= j).to(shifted.dtype)[:, None]
+        keep = (offsets >= j).to(compute)[:, None]
         out = out + shifted * keep * weight[:, kernel - 1 - j]
     if activation is not None:
         out = ACT2FN[activation](out)
