@@ -156,6 +156,22 @@ class ShardInfo:
     cp_size: int
 
 
+def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: Layout, slots: torch.Tensor,
+                  device: torch.device) -> tuple[dict[str, Any], int]:
+    """The rank's label keys and the pack's target count N: labels masked by `loss_mask`, shifted on
+    the global padded pack (`shifted_labels`), then sliced to the rank's `slots`."""
+    lab = labels.reshape(-1).long().cpu()
+    if loss_mask is not None:
+        lab = torch.where(loss_mask.reshape(-1).cpu().bool(), lab, torch.full_like(lab, IGNORE_INDEX))
+    shifted = shifted_labels(_pad_seq(lab, layout.padded_seq_len, IGNORE_INDEX, dim=0), layout.document_ids)
+    global_targets = int((shifted != IGNORE_INDEX).sum())
+    local_shifted = shifted[slots].unsqueeze(0).to(device)
+    local = {"labels": local_shifted, "shift_labels": local_shifted, "loss_mask": local_shifted != IGNORE_INDEX,
+             # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
+             "num_items_in_batch": max(global_targets, 1) / layout.cp_size}
+    return local, global_targets
+
+
 def shard_batch(
     batch: dict,
     cp_size: int,
@@ -220,17 +236,8 @@ def shard_batch(
 
     global_targets = 0
     if labels is not None:
-        lab = labels.reshape(-1).long().cpu()
-        if loss_mask is not None:
-            lab = torch.where(loss_mask.reshape(-1).cpu().bool(), lab, torch.full_like(lab, IGNORE_INDEX))
-        shifted = shifted_labels(_pad_seq(lab, s_pad, IGNORE_INDEX, dim=0), padded_ids)
-        global_targets = int((shifted != IGNORE_INDEX).sum())
-        local_shifted = shifted[slots].unsqueeze(0).to(device)
-        local["labels"] = local_shifted
-        local["shift_labels"] = local_shifted
-        local["loss_mask"] = local_shifted != IGNORE_INDEX
-        # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
-        local["num_items_in_batch"] = max(global_targets, 1) / cp_size
+        label_keys, global_targets = _local_labels(labels, loss_mask, layout, slots, device)
+        local.update(label_keys)
     local["use_cache"] = False
     primary_sum = checksum(primary) if primary_key == "input_ids" else primary.shape[-1]
     fingerprint = PackFingerprint(
