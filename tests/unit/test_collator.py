@@ -10,7 +10,11 @@ from collections import Counter
 import datasets
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hf_blockdiag_cp.config import CPConfig
+from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import shard_batch
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, packed_dataloader
@@ -98,16 +102,19 @@ def test_epoch_covers_every_token_once_with_boundaries_labels_and_efficiency(sou
     dataset = docs if source == "list" else datasets.Dataset.from_list(
         [{"input_ids": d["input_ids"], "labels": d.get("labels", d["input_ids"])} for d in docs]
     )
-    loader = packed_dataloader(dataset, max_tokens, buffer_size=100, seed=3)
+    buffer_size = 100
+    loader = packed_dataloader(dataset, max_tokens, buffer_size=buffer_size, seed=3)
     pieces = expected_pieces(docs, max_tokens)
     seen = Counter()
-    n_packs = real = 0
+    n_packs = real = half_full = 0
     for pack in loader:
         pack_docs = check_pack(pack, pieces, max_tokens)
         shifted = shard_batch(pack, 1, 0)["shift_labels"].reshape(-1).tolist()
         assert shifted == reference_shift(pack_docs, max_tokens), "labels crossed a document boundary"
         seen.update(t for ids, _ in pack_docs for t in ids)
-        real += int((pack["document_ids"] > 0).sum())
+        pack_real = int((pack["document_ids"] > 0).sum())
+        real += pack_real
+        half_full += 2 * pack_real <= max_tokens
         n_packs += 1
     all_tokens = [t for d in docs for t in d["input_ids"]]
     assert seen == Counter(all_tokens), "every token of every document exactly once per epoch"
@@ -115,7 +122,8 @@ def test_epoch_covers_every_token_once_with_boundaries_labels_and_efficiency(sou
     stats = loader.packing_stats
     assert (stats.packs, stats.real_tokens, stats.pack_tokens) == (n_packs, real, n_packs * max_tokens)
     assert stats.efficiency == pytest.approx(len(all_tokens) / (n_packs * max_tokens))
-    assert stats.efficiency > 0.9
+    # Each buffer is packed by first-fit decreasing, which leaves at most one pack at most half full.
+    assert half_full <= -(-len(docs) // buffer_size), half_full
 
 
 def test_lists_and_tensors_give_the_same_pack_without_labels_meaning_all_tokens():
@@ -193,19 +201,22 @@ def test_malformed_examples_name_the_field(examples, message):
         BlockdiagCPCollator(16)(examples)
 
 
-@pytest.mark.parametrize("cp_size", [1, 2, 3])
-def test_sharded_outputs_reassemble_the_full_pack(cp_size):
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), cp_size=st.integers(1, 4), layout=st.sampled_from(["contiguous", "balanced"]))
+def test_sharded_outputs_reassemble_the_full_pack(seed, cp_size, layout):
     max_tokens = 48
-    docs = make_docs(12, 20, seed=cp_size)
-    examples = docs[:4]
-    assert sum(len(d["input_ids"]) for d in examples) <= max_tokens
+    docs = make_docs(12, 20, seed=seed)
+    fits = [sum(len(d["input_ids"]) for d in docs[:n]) <= max_tokens for n in range(1, len(docs) + 1)]
+    examples = docs[: fits.index(False) if False in fits else len(docs)]  # the documents of one pack
+    # PAIR_COUNT: a balanced layout permutes even packs shorter than one kernel tile.
+    config = CPConfig(layout=layout, kernel_cost=PAIR_COUNT)
     full = BlockdiagCPCollator(max_tokens)(examples)
     pack_docs = [(d["input_ids"], d.get("labels", d["input_ids"])) for d in examples]
     want_shift = torch.tensor(reference_shift(pack_docs, max_tokens))
     got = {key: torch.full((max_tokens,), -1) for key in ("input_ids", "position_ids", "document_ids", "labels")}
     targets = 0
     for rank in range(cp_size):
-        local = BlockdiagCPCollator(max_tokens, cp_size=cp_size, cp_rank=rank)(examples)
+        local = BlockdiagCPCollator(max_tokens, cp_size=cp_size, cp_rank=rank, cp_config=config)(examples)
         positions = local["blockdiag_cp_shard"].layout.token_indices[rank]
         assert bool((positions >= 0).all()), "max_tokens is a multiple of 2*cp_size: no layout padding"
         for key in got:
@@ -232,7 +243,9 @@ def test_collator_pickles_and_shards_in_worker_processes():
         return list(loader)
 
     in_process, in_workers = run(0), run(2)
-    assert len(in_process) == len(in_workers) > 2
+    volume = -(-sum(len(d["input_ids"]) for d in docs) // max_tokens)  # every token lands in some pack
+    assert volume > 2, "more packs than workers, so both workers collate"
+    assert len(in_process) == len(in_workers) >= volume
     for a, b in zip(in_process, in_workers):
         assert a.keys() == b.keys()
         for key in ("input_ids", "position_ids", "document_ids", "labels", "shift_labels"):
