@@ -103,17 +103,28 @@ def test_within_dosa_bound_of_the_optimum(instance):
     assert opt <= used <= 11 / 9 * opt + 6 / 9
 
 
-def test_known_instance_and_tie_order():
-    assert first_fit_decreasing([5, 3, 7, 2, 2, 1], 8) == [[2, 5], [0, 1], [3, 4]]
-    assert first_fit_decreasing([4, 4, 4, 4], 8) == [[0, 1], [2, 3]]
-    assert first_fit_decreasing([], 8) == []
-    assert first_fit_decreasing([0, 0], 8) == [[0, 1]]
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 64), data=st.data())
+def test_equal_items_fill_bins_in_index_order(capacity, data):
+    """Ties keep index order: n items of one length v fill bins of capacity // v consecutive
+    indices each, and zero-length items (taken last) join the first bin."""
+    length = data.draw(st.integers(1, capacity))
+    n, zeros = data.draw(st.integers(0, 40)), data.draw(st.integers(0, 5))
+    per_bin = capacity // length
+    expected = [list(range(b, min(b + per_bin, n))) for b in range(0, n, per_bin)]
+    if zeros:
+        expected = expected or [[]]
+        expected[0] += list(range(n, n + zeros))
+    assert first_fit_decreasing([length] * n + [0] * zeros, capacity) == expected
 
 
-def test_deterministic_and_accepts_numpy_lengths():
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 100, size=500)
-    assert first_fit_decreasing(lengths, 100) == first_fit_decreasing(lengths.tolist(), 100)
+@settings(max_examples=100, deadline=None)
+@given(instances(), st.sampled_from([np.int64, np.int32, np.uint16]))
+def test_deterministic_and_accepts_numpy_lengths(instance, dtype):
+    lengths, capacity = instance
+    as_numpy = np.asarray(lengths, dtype=dtype)
+    assert first_fit_decreasing(as_numpy, capacity) == first_fit_decreasing(lengths, capacity)
+    assert first_fit_decreasing(lengths, capacity) == first_fit_decreasing(list(lengths), capacity)
 
 
 def test_oversized_and_invalid_items_are_named():
