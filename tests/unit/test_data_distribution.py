@@ -5,6 +5,8 @@ that receive different or malformed packs: multiprocess/test_data_consensus.py."
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hf_blockdiag_cp.comm import DPCPCoordinates
 from hf_blockdiag_cp.data import DocumentPiece, PackedBatchSampler, packed_dataloader
@@ -16,16 +18,22 @@ def pack_key(pack) -> tuple:
     return tuple((i.index, i.start) if isinstance(i, DocumentPiece) else (i, 0) for i in pack)
 
 
-def test_dp_cp_coordinates_cp_fastest():
-    def place(world_size, rank, cp_size):
-        c = DPCPCoordinates(world_size, rank, cp_size)
-        return c.dp_size, c.dp_rank, c.cp_rank
+@settings(max_examples=100, deadline=None)
+@given(dp_size=st.integers(1, 8), cp_size=st.integers(1, 8))
+def test_dp_cp_coordinates_cp_fastest(dp_size, cp_size):
+    """Every rank gets one (dp_rank, cp_rank) cell of the dp x cp grid, and consecutive ranks share a
+    CP group: rank = dp_rank * cp_size + cp_rank, the group being the ranks with its dp_rank."""
+    world_size = dp_size * cp_size
+    table = [DPCPCoordinates(world_size, r, cp_size) for r in range(world_size)]
+    assert {c.dp_size for c in table} == {dp_size}
+    assert [c.dp_rank * cp_size + c.cp_rank for c in table] == list(range(world_size))
+    assert all(0 <= c.dp_rank < dp_size and 0 <= c.cp_rank < cp_size for c in table)
+    for c in table:
+        assert c.cp_group_ranks == [r for r in range(world_size) if table[r].dp_rank == c.dp_rank]
+        assert c.cp_group_ranks[c.cp_rank] == c.rank
 
-    table = [place(8, r, 2) for r in range(8)]
-    assert table == [(4, r // 2, r % 2) for r in range(8)]
-    assert place(6, 5, 3) == (2, 1, 2)
-    assert place(4, 3, 1) == (4, 3, 0)
-    assert DPCPCoordinates(6, 5, 3).cp_group_ranks == [3, 4, 5]
+
+def test_dp_cp_coordinates_invalid_arguments_name_the_field():
     with pytest.raises(ValueError, match="world_size=6 must be divisible by cp_size=4"):
         DPCPCoordinates(6, 0, 4)
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, world_size=4\)"):
@@ -36,12 +44,14 @@ def test_dp_cp_coordinates_cp_fastest():
         DPCPCoordinates(0, 0, 1)
 
 
-@pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_replicas_get_disjoint_packs_that_cover_the_epoch(dp_size, drop_last):
-    lengths = random_lengths(203, 90, seed=dp_size) + [150, 64]  # one split example, one exactly full
-    args = dict(buffer_size=50, seed=7, dp_size=dp_size, drop_last=drop_last)
-    samplers = [PackedBatchSampler(lengths, 64, dp_rank=r, **args) for r in range(dp_size)]
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 250), max_tokens=st.integers(1, 96), seed=st.integers(0, 2**16), buffer_size=st.integers(1, 80),
+       dp_size=st.integers(1, 4), drop_last=st.booleans())
+def test_replicas_get_disjoint_packs_that_cover_the_epoch(n, max_tokens, seed, buffer_size, dp_size, drop_last):
+    # Lengths up to 2.5 x max_tokens (oversized examples are split into pieces), plus one exactly full.
+    lengths = random_lengths(n, 5 * max_tokens // 2 + 1, seed=seed) + [max_tokens]
+    args = dict(buffer_size=buffer_size, seed=seed, dp_size=dp_size, drop_last=drop_last)
+    samplers = [PackedBatchSampler(lengths, max_tokens, dp_rank=r, **args) for r in range(dp_size)]
     per_replica = [[pack_key(p) for p in s] for s in samplers]
     epoch = [pack_key(p) for p in samplers[0].epoch_packs()]
     assert len(set(epoch)) == len(epoch)
@@ -63,14 +73,17 @@ def test_replicas_get_disjoint_packs_that_cover_the_epoch(dp_size, drop_last):
     for s in samplers:
         total = total + s.stats
     assert total.packs == sum(len(p) for p in per_replica)
-    assert total.pack_tokens == 64 * total.packs
+    assert total.pack_tokens == max_tokens * total.packs
     if dp_size == 1:
         assert total.real_tokens == sum(lengths)
 
 
-def test_cp_peers_identical_and_epochs_reshuffle_yet_cover_everything():
-    lengths = random_lengths(150, 40, seed=0)
-    peers = [PackedBatchSampler(lengths, 48, seed=3, dp_size=2, dp_rank=1, buffer_size=64) for _ in range(2)]
+@settings(max_examples=20, deadline=None)
+@given(lengths_seed=st.integers(0, 2**16), seed=st.integers(0, 2**16))
+def test_cp_peers_identical_and_epochs_reshuffle_yet_cover_everything(lengths_seed, seed):
+    """150 documents make about 70 packs: two epochs' shuffles coincide with a negligible probability."""
+    lengths = random_lengths(150, 40, seed=lengths_seed)
+    peers = [PackedBatchSampler(lengths, 48, seed=seed, dp_size=2, dp_rank=1, buffer_size=64) for _ in range(2)]
     assert list(peers[0]) == list(peers[1])
     epoch0 = list(peers[0])
     for s in peers:
@@ -79,7 +92,7 @@ def test_cp_peers_identical_and_epochs_reshuffle_yet_cover_everything():
     assert epoch1 == list(peers[1]) and epoch1 != epoch0
     peers[0].set_epoch(0)
     assert list(peers[0]) == epoch0, "an epoch's packs are reproducible"
-    solo = PackedBatchSampler(lengths, 48, seed=3, buffer_size=64)
+    solo = PackedBatchSampler(lengths, 48, seed=seed, buffer_size=64)
     for epoch in (0, 1):
         solo.set_epoch(epoch)
         assert sorted(i for pack in solo for i in pack) == list(range(150))
