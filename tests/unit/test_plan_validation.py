@@ -35,13 +35,16 @@ def test_every_planned_rank_plan_passes(runs, cp_size, kind, window):
         _validate(needed_rank_plan(layout, exchange, rank), layout, num_rows=exchange.num_keys(rank))
 
 
-@pytest.mark.parametrize("strategy", ["contiguous", "balanced"])
-@pytest.mark.parametrize("exchange", exchange_names())
-def test_cp_step_builds_validated_plans(strategy, exchange):
-    layout = plan_layout([5, 40, 3, 9, 1, 22], 4, strategy)
-    for rank in range(4):
+@settings(max_examples=60, deadline=None)
+@given(runs=runs_strategy, cp_size=st.integers(1, 4), kind=st.sampled_from(LAYOUT_KINDS),
+       exchange=st.sampled_from(exchange_names()))
+def test_cp_step_builds_validated_plans(runs, cp_size, kind, exchange):
+    """The step object validates its plan (it raises otherwise) and hands the kernel int32 offsets on the host."""
+    layout = make_layout(pack_ids(runs), cp_size, kind)
+    for rank in range(cp_size):
         step = build_step(layout, rank, None, CPU, "dense", exchange)
         assert step.plan.cu_seqlens_q.dtype == torch.int32 and step.plan.cu_seqlens_q.device == CPU
+        assert step.plan.cu_seqlens_k.dtype == torch.int32 and step.plan.cu_seqlens_k.device == CPU
 
 
 # --------------------------------------------------------------------------- corrupted plans
