@@ -10,7 +10,9 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.step import STEP_KWARG, document_ids_of
-from hf_blockdiag_cp.planning import PAIR_COUNT, choose_exchange, exchange_names, plan_exchange, plan_layout
+from hf_blockdiag_cp.planning import (
+    DEFAULT_TOLERANCE, PAIR_COUNT, choose_exchange, exchange_names, plan_exchange, plan_layout,
+)
 from helpers.packs import make_pack
 from helpers.parity import FAMILIES, TOL, parity_case
 
@@ -27,12 +29,32 @@ def balanced_and_contiguous(pack: str, world_size: int):
     return plan_layout(ids, world_size, "balanced", kernel_cost=PAIR_COUNT), plan_layout(ids, world_size, "contiguous")
 
 
+def reference_pairs(layout) -> list[int]:
+    """Per rank, allowed query-key pairs from the document ids alone: offset i in a run of equal ids sees i + 1 keys."""
+    ids = layout.document_ids.tolist()
+    offset = [0] * len(ids)
+    for p in range(1, len(ids)):
+        offset[p] = offset[p - 1] + 1 if ids[p] == ids[p - 1] else 0
+    return [sum(offset[p] + 1 for p in row) for row in layout.slot_positions.tolist()]
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_balanced_layouts_are_really_permuted(world_size):
-    """The parity cases below would prove nothing if the balanced layout were the contiguous one."""
+    """The parity cases below would prove nothing if the balanced layout were the contiguous one.
+    With PAIR_COUNT the planner's maximum is at most min(contiguous maximum, max((1 + eps)·T,
+    T + l_max - 1)) (docs/layouts.md, "How the balanced layout is built"), so a pack whose contiguous
+    maximum is above the second term is certainly permuted; every world size runs such a pack."""
+    permuted = []
     for pack in PACKS:
         balanced, contiguous = balanced_and_contiguous(pack, world_size)
-        assert not torch.equal(balanced.slot_positions, contiguous.slot_positions), pack
+        work, contiguous_work = reference_pairs(balanced), reference_pairs(contiguous)
+        mean = sum(work) / world_size
+        bound = max((1 + DEFAULT_TOLERANCE) * mean, mean + int(balanced.segments.boundaries.diff().max()) - 1)
+        assert max(work) <= min(max(contiguous_work), bound), (pack, work, contiguous_work)
+        if max(contiguous_work) > bound:
+            permuted.append(pack)
+            assert not torch.equal(balanced.slot_positions, contiguous.slot_positions), pack
+    assert set(permuted) & set(PACKS_BY_WORLD_SIZE[world_size]), (world_size, permuted)
 
 
 def exchange_case(rank, world_size, group, pack, exchange):
