@@ -3,8 +3,9 @@
 No torch.distributed and no kernels: every function works on CPU integer tensors, so it is
 tested exhaustively against dense masks and reused by the benchmarks. Modules, bottom up:
 `segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
-strategies, registered by name), `balance` (the "balanced" strategy), `rank_plan` (one
-rank's queries, keys and varlen offsets), `exchange_plan` (needed keys and traffic),
+strategies, registered by name), `balance` (the "balanced" strategy; its candidate layouts in
+`balance_candidates`), `rank_plan` (one rank's queries, keys and varlen offsets),
+`exchange_plan` (needed keys and traffic),
 `exchange_registry` (one `ExchangeRecord` per K/V exchange, registered by `comm.exchanges`),
 `kernel_cost` (what a tiled kernel spends on a query run: `KernelCost`, the one home of run
 arithmetic), `cost` (work, predicted cost and bytes per rank).
