@@ -221,13 +221,14 @@ def test_token_granularity_limit():
     layout = plan_layout([3, 1], 2, "balanced", kernel_cost=PAIR_COUNT)
     contiguous = plan_layout([3, 1], 2, "contiguous")
     best = brute_force_min_max_work(padded_ids(layout), 2)
-    assert best > (1 + TOLERANCE) * (3 * 4 // 2 + 1) / 2
+    mean = sum(reference_work(padded_ids(layout), layout.slot_positions)) / 2
+    assert best > (1 + TOLERANCE) * mean
     assert max(reference_work(padded_ids(contiguous), contiguous.slot_positions)) == best
     assert max(reference_work(padded_ids(layout), layout.slot_positions)) == best
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=6), cp_size=st.integers(2, 3))
+@given(lengths=st.lists(st.integers(1, 6), min_size=1, max_size=4), cp_size=st.integers(2, 3))
 def test_small_packs_against_the_brute_force_optimum(lengths, cp_size):
     """Packs of at most 12 rows: the optimum <= the planner's maximum <= the contiguous one's, within
     the pair bound max((1 + eps)·T, T + l_max - 1); equal to the optimum whenever contiguous is optimal."""
