@@ -104,6 +104,9 @@ def causal_conv_per_doc(x: torch.Tensor, weight: torch.Tensor, bias, activation:
 def delta_rule_per_doc(rule: Callable, q, k, v, g, beta, docs: PackDocs) -> torch.Tensor:
     """`rule` (Transformers' torch chunked gated delta rule) on each document of the pack from a
     zero state; q, k `[S, Hk, Dk]`, v `[S, Hv, Dv]`, g, beta `[S, Hv]`. Padding rows get zeros."""
+    ratio = v.shape[1] // q.shape[1]
+    if ratio > 1:  # each key head serves `ratio` consecutive value heads; older Transformers' rule expects them repeated
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
     parts = []
     for start, stop, is_document in docs.segments:
         if not is_document:
