@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for, histogram_lengths, markdown_table
-from hf_blockdiag_cp.bench.model import CONFIG_1B
+from hf_blockdiag_cp.bench import setups as bench_setups
+from hf_blockdiag_cp.bench.setups import E2E_CONFIGS, HIST_CSV
 from hf_blockdiag_cp.bench.reference import (
     build_models,
     make_docs,
@@ -63,24 +64,8 @@ from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy, fused
 from hf_blockdiag_cp.kernels import choose_kernel
 from hf_blockdiag_cp.step import CPStep, build_step
 
-REPO = Path(__file__).resolve().parents[1]
-
-HIST_CSV = REPO / "benchmarks" / "data" / "doc_length_distribution.csv"
 PARTS = ("parity", "attention", "e2e", "overlap")
-
-CONFIG_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 21, rope_theta=500000.0, tie_word_embeddings=False,
-)
-CONFIG_TINY = dict(
-    vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=1 << 16, tie_word_embeddings=False,
-)
-E2E_CONFIGS = {"1.2b": CONFIG_1B, "8b": CONFIG_8B, "tiny": CONFIG_TINY}
 PARITY_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-
-# ring-flash-attn benchmark/benchmark_varlen_kvpacked_func.py: per-rank cu_seqlens, scaled by G for the global pack.
-RINGFLASH_CU = ([0, 8192], [0, 256, 7648, 8192], [0, 4096, 8192], [0, 3104, 6304, 7904, 8064, 8192])
 
 
 # --------------------------------------------------------------------------- process context
@@ -319,27 +304,7 @@ def part_parity(ctx: Ctx, args) -> dict:
 
 
 def attention_setups(ctx: Ctx, args) -> list[dict]:
-    G = ctx.world
-    tiny = args.tiny
-    setups = []
-    tpr = 256 if tiny else args.tokens_per_rank
-    for name in args.setups:
-        if name == "magi":
-            heads, kv, dim = (4, 2, 16) if tiny else (64, 8, 128)
-            for seed in range(args.magi_packs):
-                lengths = histogram_lengths(HIST_CSV, tpr * G, seed=seed, cap_fraction=0.25)
-                setups.append(dict(setup="magi", pack=f"hist{seed}", lengths=lengths, heads=heads, kv_heads=kv, head_dim=dim))
-        elif name == "ringflash":
-            heads, kv, dim = (4, 2, 16) if tiny else (32, 8, 128)
-            for i, cu in enumerate(RINGFLASH_CU):
-                base = [b - a for a, b in zip(cu, cu[1:])]
-                lengths = [max(1, round(n * tpr / 8192)) * G for n in base]
-                lengths[-1] += tpr * G - sum(lengths)
-                setups.append(dict(setup="ringflash", pack=f"cu{i}", lengths=[n for n in lengths if n > 0],
-                                   heads=heads, kv_heads=kv, head_dim=dim))
-        else:
-            raise ValueError(f"unknown setup {name!r}")
-    return setups
+    return bench_setups.attention_setups(ctx.world, args.setups, args.tokens_per_rank, args.magi_packs, args.tiny)
 
 
 def _dtype(ctx, args):
