@@ -176,9 +176,13 @@ def compile_counters() -> dict[str, int]:
 
 
 def environment() -> dict:
+    """Versions, GPU and date of this run, written beside every result (docs quote them with the command)."""
+    import datetime
+
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda}
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
+           "date": datetime.date.today().isoformat()}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
     return env
