@@ -121,8 +121,8 @@ def _add_vs_single(rows: list[dict]) -> None:
                 r[column] = r["tokens_per_s_per_gpu"] / base
 
 
-E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "layout", "grad_sync", "status", "first_s", "step_s", "tokens_per_s", "tokens_per_s_per_gpu",
-               "per_gpu_vs_G1", "per_gpu_vs_G1_same_per_gpu", "peak_gib", "note"]
+E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "layout", "grad_sync", "status", "first_s", "step_s",
+               "tokens_per_s", "tokens_per_s_per_gpu", "per_gpu_vs_G1", "per_gpu_vs_G1_same_per_gpu", "peak_gib", "note"]
 
 
 def _launch_child(ctx: Ctx, args, job: dict) -> dict:
@@ -138,7 +138,9 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--e2e-child", json.dumps({**job, "result": str(result)}),
            "--out", str(ctx.out), "--device", args.device, "--timeout-s", str(args.e2e_child_timeout_s),
            "--steps", str(args.steps), "--e2e-kernel", args.e2e_kernel, "--e2e-layout", args.e2e_layout,
-           "--e2e-grad-sync", args.e2e_grad_sync] + (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else []) + (["--no-checkpointing"] if not args.checkpointing else [])
+           "--e2e-grad-sync", args.e2e_grad_sync]
+    cmd += (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else [])
+    cmd += [] if args.checkpointing else ["--no-checkpointing"]
     with open(raw / f"{job['tag']}_rank{ctx.rank}.log", "w") as logf:
         proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT)
         t0 = time.time()

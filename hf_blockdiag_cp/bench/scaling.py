@@ -39,8 +39,9 @@ def predictions(models, sizes, tokens, base: Setup, r_lin: dict, overlaps=(0.0, 
                                 f"step_s_f{f:g}": e["step_ms"] / 1e3})
                     if f == overlaps[0]:
                         parts = step_ms(cfg, S, G, st)
-                        row.update(kv_pct=100 * parts["kv"] / parts["total"], allreduce_pct=100 * parts["allreduce"] / parts["total"],
-                                   attention_pct=100 * parts["attention"] / parts["total"], imbalance=parts["imbalance"])
+                        share = {k: 100 * parts[k] / parts["total"] for k in ("kv", "allreduce", "attention")}
+                        row.update(kv_pct=share["kv"], allreduce_pct=share["allreduce"], attention_pct=share["attention"],
+                                   imbalance=parts["imbalance"])
                 rows.append(row)
     return rows
 
@@ -98,10 +99,13 @@ def plot(rows, path: Path, overlaps, caption: str) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--multigpu", required=True, help="multigpu_G<G>.json of a G > 1 run of benchmarks/multigpu.py (overlap + e2e parts)")
+    p.add_argument("--multigpu", required=True,
+                   help="multigpu_G<G>.json of a G > 1 run of benchmarks/multigpu.py (overlap + e2e parts)")
     p.add_argument("--kernels", required=True, help="kernels.json of `bench kernels` with ours/<kernel> rows")
-    p.add_argument("--kernel", default="varlen", help="attention kernel of the e2e rows without a `kernel` key, and of the predictions")
-    p.add_argument("--inter-gbps", type=float, default=INTER_NODE_GBPS_PER_GPU, help="inter-node GB/s per GPU (default 8 x 400 Gb/s / 8 GPUs)")
+    p.add_argument("--kernel", default="varlen",
+                   help="attention kernel of the e2e rows without a `kernel` key, and of the predictions")
+    p.add_argument("--inter-gbps", type=float, default=INTER_NODE_GBPS_PER_GPU,
+                   help="inter-node GB/s per GPU (default 8 x 400 Gb/s / 8 GPUs)")
     p.add_argument("--latency-intra-ms", type=float, default=LATENCY_MS["intra"])
     p.add_argument("--latency-inter-ms", type=float, default=LATENCY_MS["inter"])
     p.add_argument("--overlaps", type=float, nargs="+", default=[0.0, 1.0], help="K/V exchange overlap fractions to predict")
@@ -123,7 +127,8 @@ def _inputs_section(args, env: dict, rates: KernelRates, net, r_lin: dict) -> li
     machine = f"{env.get('gpu', env.get('device'))} x{env['G']}, torch {env.get('torch')}, NCCL {env.get('nccl')}"
     return [
         f"Inputs: `{args.multigpu}` ({machine}, {env.get('date', '')[:10]}), kernel rates `{args.kernels}` "
-        f"(kernel {args.kernel}: " + ", ".join(f"{_fmt_tokens(s)} {t:.0f} TF/s" for s, t in rates.points[args.kernel]) + "), bf16.",
+        f"(kernel {args.kernel}: "
+        + ", ".join(f"{_fmt_tokens(s)} {t:.0f} TF/s" for s, t in rates.points[args.kernel]) + "), bf16.",
         "", "Measured effective collective rates (GB/s, median of the overlap rows): "
         + ", ".join(f"{k[0]} {k[1]} {v:.0f}" for k, v in sorted(net.bw.items()))
         + f"; inter-node assumption {args.inter_gbps:g} GB/s per GPU; latency per ring step "
@@ -147,7 +152,8 @@ def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tup
           "tokens/s per GPU at G over the model's G = 1 on the same pack (memory ignored).", "",
           efficiency_table(prow, "same_pack", ov), "",
           f"## Predicted per-GPU efficiency, same tokens per GPU (%, {fl})", "",
-          "tokens/s per GPU at G (pack S) over G = 1 on a pack of S/G tokens: also counts the longer documents of the longer pack.", "",
+          "tokens/s per GPU at G (pack S) over G = 1 on a pack of S/G tokens: "
+          "also counts the longer documents of the longer pack.", "",
           efficiency_table(prow, "same_tpg", ov), "",
           f"## Step breakdown at f={ov[0]:g}", "",
           markdown_table([{**r, "step_s": r[f"step_s_f{ov[0]:g}"]} for r in prow],
@@ -158,20 +164,25 @@ def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tup
 def main(args) -> int:
     results = json.loads(Path(args.multigpu).read_text())
     rates = KernelRates.from_json(args.kernels)
-    net, bw_rows = network_from_overlap(results, args.inter_gbps, {"intra": args.latency_intra_ms, "inter": args.latency_inter_ms})
-    base = Setup(rates, net, 1.0, kernel=args.kernel, layout=args.layout, exchange=args.exchange, checkpointing=args.checkpointing)
+    latency = {"intra": args.latency_intra_ms, "inter": args.latency_inter_ms}
+    net, bw_rows = network_from_overlap(results, args.inter_gbps, latency)
+    base = Setup(rates, net, 1.0, kernel=args.kernel, layout=args.layout, exchange=args.exchange,
+                 checkpointing=args.checkpointing)
     r_lin = calibrate_linear_rate(results, base)
     if not r_lin:
-        raise SystemExit("the multigpu JSON has no G = 1 e2e row (run it with --e2e-single): nothing to calibrate the linear layers on")
+        raise SystemExit("the multigpu JSON has no G = 1 e2e row (run it with --e2e-single): "
+                         "nothing to calibrate the linear layers on")
     vrows = validate(results, base, r_lin, args.tolerance)
     gated = [v for v in vrows if args.gate == "all" or v["measurement"].startswith("e2e")]
     ok = bool(gated) and all(v["status"] == "PASS" for v in gated)
     verdicts = {part: f"{sum(v['status'] == 'PASS' for v in vs)}/{len(vs)} within {100 * args.tolerance:g} %"
                 for part in ("e2e", "attention") for vs in [[v for v in vrows if v["measurement"].startswith(part)]] if vs}
     env = results["env"]
-    md = ["# Scaling model (bench scaling)", "", "```", " ".join(["hf-blockdiag-cp-bench", *args.argv]), "```", "",
+    command = " ".join(["hf-blockdiag-cp-bench", *getattr(args, "argv", ["scaling"])])
+    md = ["# Scaling model (bench scaling)", "", "```", command, "```", "",
           *_inputs_section(args, env, rates, net, r_lin), "",
-          f"## Validation at G = {env['G']} (tolerance {100 * args.tolerance:g} %, gate: {args.gate}): {'PASS' if ok else 'FAIL'}",
+          f"## Validation at G = {env['G']} (tolerance {100 * args.tolerance:g} %, gate: {args.gate}): "
+          f"{'PASS' if ok else 'FAIL'}",
           "", "; ".join(f"{k}: {v}" for k, v in verdicts.items()) + ". The attention-part rows check the kernel + exchange "
           "sub-model alone (exchange exposed, kernel time = measured G = 1 time x max-rank work share); see docs/scaling.md "
           "for why they do not gate by default.", "",
@@ -189,5 +200,6 @@ def main(args) -> int:
     (Path(args.out) / "scaling_model.md").write_text("\n".join(md))
     write_json(Path(args.out) / "scaling_model.json", payload)
     print("\n".join(md))
-    print(f"validation ({args.gate} rows gate): {'PASS' if ok else 'FAIL'}; " + "; ".join(f"{k}: {v}" for k, v in verdicts.items()))
+    print(f"validation ({args.gate} rows gate): {'PASS' if ok else 'FAIL'}; "
+          + "; ".join(f"{k}: {v}" for k, v in verdicts.items()))
     return 0 if ok else 1

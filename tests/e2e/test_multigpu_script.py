@@ -51,7 +51,8 @@ def test_multigpu_script_cpu_smoke(tmp_path):
 
     overlap = parts["overlap"]["rows"]
     assert {(r["setup"], r["exchange"], r["layout"]) for r in overlap} == {
-        (setup, x, lay) for setup in ("magi", "ringflash") for x in ("allgather", "halo", "a2a") for lay in ("contiguous", "balanced")
+        (setup, x, lay) for setup in ("magi", "ringflash") for x in ("allgather", "halo", "a2a")
+        for lay in ("contiguous", "balanced")
     }
     for r in overlap:
         for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):

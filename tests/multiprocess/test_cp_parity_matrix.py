@@ -25,5 +25,6 @@ def test_every_exchange_and_layout_matches_the_stock_model(gloo, world_size):
     # The packs test what they are named for.
     assert any(r["padding_ranks"] >= 1 for r in rows if r["pack"] == "padding_rank" and r["layout"] == "contiguous")
     assert all(r["permuted"] for r in rows if r["layout"] == "balanced" and r["pack"] == "span_all")
-    span_halo = {r["exchange_taken"] for r in rows if r["pack"] == "span_all" and r["exchange"] == "halo" and r["layout"] == "contiguous"}
+    span_halo = {r["exchange_taken"] for r in rows
+                 if r["pack"] == "span_all" and r["exchange"] == "halo" and r["layout"] == "contiguous"}
     assert span_halo == {"halo" if world_size == 2 else "a2a"}  # a document over three or more ranks hands over to a2a
