@@ -1,7 +1,7 @@
 """Train a causal LM on packed documents with block-diagonal context parallelism (custom loop).
 
-    accelerate launch --cpu --num_processes 2 examples/train_packed.py --steps 20 --output-dir out/train_packed
-    accelerate launch --cpu --num_processes 4 examples/train_packed.py --cp-size 2          # dp=2 x cp=2
+    torchrun --standalone --nproc-per-node 2 examples/train_packed.py --steps 20 --output-dir out/train_packed
+    torchrun --standalone --nproc-per-node 4 examples/train_packed.py --cp-size 2           # CPU: dp=2 x cp=2
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
 
 Defaults: a tiny Llama built from a config (fp32, random init), trained offline on the
@@ -29,35 +29,49 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.comm import build_dp_cp_mesh
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
-from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from hf_blockdiag_cp.integrations.accelerate import (
-    build_dp_cp_mesh,
-    cp_submesh,
-    cpu_workers_to_start,
-    exit_before_launch,
     gradient_sync,
     init_distributed,
-    relaunch_cpu_workers,
+    launch_error,
+    launched_world_size,
     unwrap_model,
     wrap_model,
 )
+from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
+from hf_blockdiag_cp.kernels import canonical_kernel_name, kernel_names
 
 IGNORE_INDEX = -100
 
 
+def fail(reason: str) -> NoReturn:
+    """End this rank with `error: <reason>` as one line on stderr and exit status 2. Every rank
+    prints it: a rank that waited for rank 0 to print could be killed by the launcher first."""
+    sys.stdout.flush()
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as `error: <reason>` alone (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: a tiny Llama config, random init)")
     p.add_argument("--random-init", action="store_true", help="with --model: build from its config, random weights")
     p.add_argument("--dataset", default=None, help="a datasets name, or local json/jsonl/csv/parquet/txt file(s) or folder "
@@ -84,17 +98,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
     p.add_argument("--output-dir", default="out/train_packed", help="write metrics.json and loss.png here")
     args = p.parse_args(argv)
-    for name in ("max_tokens", "steps", "packs_per_step"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    check_ranges(p, args, positive=("max_tokens", "steps", "packs_per_step", "lr"),
+                 non_negative=("num_workers", "max_grad_norm"))
     if args.random_init and args.model is None:
         p.error("--random-init needs --model (the default model is already randomly initialised)")
     return args
 
 
+def check_ranges(parser, args, positive=(), non_negative=()) -> None:
+    """`parser.error` naming the first flag in `positive` that is <= 0 or in `non_negative` that is < 0."""
+    for names, ok, expected in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            if not ok(getattr(args, name)):
+                parser.error(f"--{name.replace('_', '-')} must be {expected}; got {getattr(args, name)}")
+
+
 def layout_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes (dp x cp), or None. Checked before any
-    worker starts, so a bad value ends the run with this one line instead of a launcher traceback."""
+    """Why `args` cannot run on `world_size` processes (dp x cp), or None."""
     cp = args.cp_size or world_size
     if cp <= 0 or world_size % cp:
         return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
@@ -106,12 +126,30 @@ def layout_error(args, world_size: int) -> str | None:
     return None
 
 
-def check_before_launch(args, workers: int) -> None:
-    """Exit with the reason as the last line (status 2) if the arguments cannot run; `workers`: processes
-    about to be started here (0: this process is already one of the run's)."""
-    reason = layout_error(args, workers or int(os.environ.get("WORLD_SIZE", "1")))
+def argument_error(args, world_size: int) -> str | None:
+    """Why `args` cannot run on `world_size` processes, or None."""
+    reason = layout_error(args, world_size)
+    if reason is None:
+        try:
+            canonical_kernel_name(args.attn_backend)
+        except ValueError:
+            reason = f"--attn-backend={args.attn_backend!r} is not a kernel; accepted: auto, {', '.join(kernel_names())}"
+    return reason
+
+
+def check_launch(args, errors=argument_error) -> int:
+    """The world size, after checking the launch and `args` against it (`errors(args, world_size)`
+    gives the reason a value cannot run, or None); on a problem, `fail`.
+
+    Runs in every worker before any process group exists and needs no collective: every rank
+    sees the same command line and world size, so every rank reaches the same verdict and a
+    bad argument ends the run at once instead of one rank hanging in a collective.
+    """
+    world_size = launched_world_size()
+    reason = launch_error(sys.argv) or errors(args, world_size)
     if reason is not None:
-        exit_before_launch(reason, workers)
+        fail(reason)
+    return world_size
 
 
 # --------------------------------------------------------------------------- model and data
@@ -277,13 +315,11 @@ def train(args) -> dict:
     """Run `args.steps` optimizer steps on this rank; every rank returns the same metrics."""
     from tqdm.auto import tqdm
 
-    place = init_distributed(args.cp_size)
-    reason = layout_error(args, place.world_size)
-    if reason is not None:
-        raise ValueError(reason)
+    setup = init_distributed(args.cp_size)
+    place, device = setup.coords, setup.device
     micro_steps = args.packs_per_step // place.dp_size
-    mesh = build_dp_cp_mesh(place)
-    cp_mesh = cp_submesh(mesh)
+    mesh = build_dp_cp_mesh(place, device.type)
+    cp_mesh = None if mesh is None else mesh.cp
     cp_config = bdcp.CPConfig(attn_backend=args.attn_backend)
 
     dataset, pad_token_id, vocab = load_training_data(args)
@@ -291,7 +327,7 @@ def train(args) -> dict:
         dataset, args.max_tokens, dp_size=place.dp_size, dp_rank=place.dp_rank, cp_size=place.cp_size,
         cp_rank=place.cp_rank, pad_token_id=pad_token_id, seed=args.seed, num_workers=args.num_workers, drop_last=True,
     )
-    model = build_model(args, vocab).to(place.device)
+    model = build_model(args, vocab).to(device)
     if args.fused_ce:
         enable_fused_cross_entropy(model)
     model = wrap_model(model, mesh, fsdp=args.fsdp)
@@ -299,19 +335,19 @@ def train(args) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    autocast = torch.autocast(place.device.type, dtype=torch.bfloat16, enabled=args.bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     losses, real_tokens, started = [], 0, None
     bar = tqdm(total=args.steps, disable=not place.is_main, desc=f"dp={place.dp_size} cp={place.cp_size}", unit="step")
     batches = step_batches(loader, micro_steps)
     for step in range(1, args.steps + 1):
-        micro = [to_device(b, place.device) for b in next(batches)]
+        micro = [to_device(b, device) for b in next(batches)]
         targets = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
         tokens = sum(int((b["document_ids"] > 0).sum()) for b in micro)
-        n_targets, n_tokens = world_sum([targets, tokens], place.device)  # whole step, all replicas
+        n_targets, n_tokens = world_sum([targets, tokens], device)  # whole step, all replicas
         if started is None:
             started = time.perf_counter()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=place.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro):
             train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=cp_config)
             local["num_items_in_batch"] = max(n_targets, 1.0) / place.world_size  # loss = sum * W / N
@@ -324,7 +360,7 @@ def train(args) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        (step_loss,) = world_sum([loss_sum.item()], place.device)
+        (step_loss,) = world_sum([loss_sum.item()], device)
         step_loss /= place.world_size
         losses.append(step_loss)
         real_tokens += int(n_tokens)
@@ -353,7 +389,7 @@ def train(args) -> dict:
         "lr": args.lr,
         "optimizer": args.optimizer,
         "engine": "single" if place.world_size == 1 else ("fsdp2" if args.fsdp else "ddp"),
-        "device": place.device.type,
+        "device": device.type,
         "dtype": "bf16-autocast" if args.bf16 else "fp32",
         "model": args.model or "tiny-llama (config)",
         "num_parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
@@ -371,10 +407,7 @@ def train(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    workers = cpu_workers_to_start()  # `accelerate launch --cpu --num_processes N` without MPI starts one process
-    check_before_launch(args, workers)
-    if workers:
-        relaunch_cpu_workers(workers)  # does not return: this process becomes torchrun with N workers
+    check_launch(args)  # before any collective: a bad argument ends every rank with one line
     try:
         train(args)
     finally:

@@ -1,7 +1,7 @@
 """Train a causal LM on packed documents with block-diagonal CP through `transformers.Trainer`.
 
-    accelerate launch --cpu --num_processes 2 examples/trainer_packed.py --steps 20 --output-dir out/trainer_packed
-    torchrun --standalone --nproc-per-node 4 examples/trainer_packed.py --cp-size 2      # dp=2 x cp=2
+    torchrun --standalone --nproc-per-node 2 examples/trainer_packed.py --steps 20 --output-dir out/trainer_packed
+    torchrun --standalone --nproc-per-node 4 examples/trainer_packed.py --cp-size 2      # CPU: dp=2 x cp=2
     accelerate launch --num_processes 8 examples/trainer_packed.py --cp-size 4         # GPUs: NCCL
 
 Same defaults as `examples/train_packed.py` (the custom loop): a tiny Llama built from a
@@ -41,12 +41,19 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
-from hf_blockdiag_cp.integrations.accelerate import cpu_workers_to_start, relaunch_cpu_workers
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
+from train_packed import (  # the main job, same folder: its model, argument checks and outputs
+    OneLineParser,
+    check_launch,
+    check_ranges,
+    layout_error,
+    tiny_llama_config,
+    write_outputs,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: a tiny Llama config, random init)")
     p.add_argument("--dataset", default=None, help="a datasets name or local data file(s) with `input_ids` or `text` "
                    "(text becomes byte tokens; default: the embedded stdlib corpus)")
@@ -65,14 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-docs", type=int, default=64, help="documents held out by --eval")
     p.add_argument("--output-dir", default="out/trainer_packed", help="write metrics.json, loss.png and the final model here")
     args = p.parse_args(argv)
-    for name in ("max_tokens", "steps", "packs_per_step", "eval_docs"):
-        if getattr(args, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    check_ranges(p, args, positive=("max_tokens", "steps", "packs_per_step", "lr", "eval_docs"),
+                 non_negative=("num_workers", "max_grad_norm"))
     return args
 
 
 def build_model(args):
-    from train_packed import tiny_llama_config  # the main job's default model; same folder
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every layout
@@ -114,8 +119,6 @@ def training_arguments(args, world_size: int, cp_size: int):
     from transformers import TrainingArguments
 
     dp_size = world_size // cp_size
-    if args.packs_per_step % dp_size:
-        raise ValueError(f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp_size}")
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
     return TrainingArguments(
         output_dir=args.output_dir,
@@ -161,14 +164,8 @@ def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from train_packed import check_before_launch  # the main job's argument check; same folder
-
     args = parse_args(argv)
-    workers = cpu_workers_to_start()  # `accelerate launch --cpu --num_processes N` without MPI starts one process
-    check_before_launch(args, workers)
-    if workers:
-        return relaunch_cpu_workers(workers)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = check_launch(args, layout_error)  # before any collective: a bad argument ends every rank with one line
     cp_size = args.cp_size or world_size
     train_data, eval_data = load_training_data(args), None
     if args.eval:
@@ -196,8 +193,6 @@ def main(argv=None) -> int:
     if trainer.is_world_process_zero():
         print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
         if args.output_dir:
-            from train_packed import write_outputs  # same folder
-
             write_outputs(Path(args.output_dir), metrics, f"Trainer, dp={metrics['dp_size']} x cp={metrics['cp_size']}")
     return 0
 

@@ -11,8 +11,9 @@ use: `transformers.Trainer` is heavy.
 """
 
 from .attention import cp_blockdiag_sdpa
+from .comm import DPCPCoordinates
 from .config import CPConfig, configure_cp, configure_cp_varlen
-from .data import BlockdiagCPCollator, PackedBatchSampler, dp_cp_coordinates, packed_dataloader
+from .data import BlockdiagCPCollator, PackedBatchSampler, packed_dataloader
 from .integrations.transformers import ATTN_IMPLEMENTATION
 from .integrations.transformers import register as _register
 from .planning import Layout, plan_layout
@@ -51,6 +52,7 @@ __all__ = [
     "BlockdiagCPTrainer",
     "BlockdiagCPTrainerMixin",
     "CPConfig",
+    "DPCPCoordinates",
     "Layout",
     "PackedBatchSampler",
     "UNSUPPORTED_MODEL_TYPES",
@@ -59,7 +61,6 @@ __all__ = [
     "configure_cp_varlen",
     "cp_blockdiag_sdpa",
     "current_blockdiag_cp_state",
-    "dp_cp_coordinates",
     "make_cp_blockdiag_batch_and_ctx",
     "packed_dataloader",
     "plan_layout",

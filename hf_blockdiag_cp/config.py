@@ -1,10 +1,11 @@
 """`CPConfig`: the choices of a block-diagonal CP step, as one frozen object passed per call.
 
 Users name kernels and exchanges in many spellings (`flash_attn`, `FA2`, `all-gather` ...);
-a `CPConfig` holds only the canonical names (kernel spellings come from the kernel records,
-`kernels.registry`). `make_cp_blockdiag_batch_and_ctx(..., config=CPConfig(...))` uses the
-given object; without one it uses the process default, which `configure_cp` (seed name
-`configure_cp_varlen`) sets as a convenience.
+a `CPConfig` holds only the canonical names, which come from the records (kernels:
+`kernels.registry`; exchanges: `planning.exchange_registry`, registered by `comm.exchanges`).
+`make_cp_blockdiag_batch_and_ctx(..., config=CPConfig(...))` uses the given object; without
+one it uses the process default, which `configure_cp` (seed name `configure_cp_varlen`) sets.
+Nothing else configures a step.
 """
 
 from __future__ import annotations
@@ -12,24 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .comm import exchanges as _exchanges  # noqa: F401  (registers the exchange records)
 from .kernels import canonical_kernel_name
-from .planning import DEFAULT_TOLERANCE, EXCHANGE_KINDS, KernelCost, layout_strategies
-
-KV_EXCHANGES = ("auto", *EXCHANGE_KINDS)
-DEFAULT_KV_CHUNKS = 1  # measured at G = 2: more groups were slower at every measured size (docs/performance.md)
-
-_EXCHANGE_SYNONYMS = {
-    "auto": "auto",
-    "allgather": "allgather",
-    "all_gather": "allgather",
-    "halo": "halo",
-    "left_halo": "halo",
-    "a2a": "a2a",
-    "alltoall": "a2a",
-    "all_to_all": "a2a",
-    "all_to_all_v": "a2a",
-    "alltoallv": "a2a",
-}
+from .planning import DEFAULT_TOLERANCE, KernelCost, canonical_exchange_name, layout_strategies
 
 
 def normalize_backend(name: str) -> str:
@@ -38,16 +24,8 @@ def normalize_backend(name: str) -> str:
 
 
 def normalize_exchange(name: str) -> str:
-    """Canonical exchange name for any accepted spelling of `kv_exchange`."""
-    if not isinstance(name, str):
-        raise TypeError(f"kv_exchange must be a string, one of {', '.join(KV_EXCHANGES)}; got {type(name).__name__}")
-    key = name.strip().lower().replace("-", "_")
-    if key not in _EXCHANGE_SYNONYMS:
-        raise ValueError(
-            f"kv_exchange={name!r} is not supported; accepted values: {', '.join(KV_EXCHANGES)} "
-            f"(synonyms: {', '.join(sorted(_EXCHANGE_SYNONYMS))}; case and '-'/'_' insensitive)"
-        )
-    return _EXCHANGE_SYNONYMS[key]
+    """Canonical exchange name (or "auto") for any accepted spelling of `kv_exchange`."""
+    return canonical_exchange_name(name)
 
 
 @dataclass(frozen=True)
@@ -55,18 +33,16 @@ class CPConfig:
     """What a CP step runs with.
 
     attn_backend: local kernel, `auto` or a kernel name (any accepted spelling).
-    kv_exchange: `allgather`, `halo`, `a2a`, or `auto` (per step the cheapest exact one:
-      halo, else a2a, else allgather; on a CP group over several nodes, from
-      LOCAL_WORLD_SIZE, it keeps allgather unless `allow_cross_node_a2a`).
+    kv_exchange: a registered exchange (`allgather`, `halo`, `a2a` ship; any accepted
+      spelling) or `auto`: per step the cheapest exact one (halo, else a2a, else allgather;
+      `planning.choose_exchange`). On a CP group over several nodes, from LOCAL_WORLD_SIZE,
+      `auto` skips the exchanges that need a single node (halo, a2a) unless
+      `allow_cross_node_a2a`.
     layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one
       registered with `planning.register_layout_strategy`); `balance_tolerance` is the
       balanced layout's target max/mean predicted cost - 1; `kernel_cost` the cost model it
       balances (None: the configured kernel's calibrated `KernelRecord.cost` when the kernel is
       named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
-    kv_chunks: KV-head groups each layer's exchange is pipelined in on a CP group of 2 or
-      more ranks: the next group's collective runs while the kernel works on the current one,
-      forward and backward (`planning.head_groups`; 1 = one exchange, then one kernel call).
-      Results are the same for any value; the default is measured (docs/performance.md).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -76,7 +52,6 @@ class CPConfig:
     layout: str = "contiguous"
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
-    kv_chunks: int = DEFAULT_KV_CHUNKS
     kernel_cost: KernelCost | None = None
 
     def __post_init__(self):
@@ -90,8 +65,6 @@ class CPConfig:
             raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
         if not isinstance(self.allow_cross_node_a2a, bool):
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
-        if isinstance(self.kv_chunks, bool) or not isinstance(self.kv_chunks, int) or self.kv_chunks < 1:
-            raise ValueError(f"kv_chunks must be a positive integer (1 = no pipelining); got {self.kv_chunks!r}")
         if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
             raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
@@ -115,7 +88,6 @@ def configure_cp(
     *,
     layout: str = "contiguous",
     balance_tolerance: float = DEFAULT_TOLERANCE,
-    kv_chunks: int = DEFAULT_KV_CHUNKS,
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step built without `config=`) and return it.
 
@@ -123,7 +95,7 @@ def configure_cp(
     Calling it with no arguments restores the defaults.
     """
     global _DEFAULT
-    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kv_chunks)
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a)
     return _DEFAULT
 
 

@@ -7,10 +7,11 @@ the runtime refuses, at the first attention call of a CP step, a model that need
 did not get or whose type is known to bypass the interface (`UNSUPPORTED_MODEL_TYPES`).
 
 Families: `phi3` (LongRoPE / dynamic RoPE from the global pack), `qwen2_vl` (Qwen2-VL and
-Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions).
+Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions), `gated_delta`
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next gated delta-rule layers: per document, head-parallel under CP).
 """
 
-from . import phi3, qwen2_vl  # noqa: F401  (registration)
+from . import gated_delta, phi3, qwen2_vl  # noqa: F401  (registration)
 from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
 from .unsupported import UNSUPPORTED_MODEL_TYPES
 

@@ -4,9 +4,9 @@ These models mix tokens with state-space (Mamba) scans, linear attention, gated 
 or short causal convolutions, whole or in part. Those layers see only the local shard under
 CP and know nothing of packed document boundaries, so training would be silently wrong.
 `apply_model_patches` and the first attention call of a CP step raise for them, unless a
-patch in `model_patches` exists for the type (none yet). See
-`tests/multiprocess/test_recurrent.py` for how a model-owned recurrent layer can use
-`current_blockdiag_cp_state()` to become exact.
+patch in `model_patches` exists for the type (the gated delta-rule hybrids Qwen3.5 /
+Qwen3-Next left this list for `gated_delta`). See `tests/multiprocess/test_recurrent.py` for
+how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "falcon_h1": "parallel attention and state-space (Mamba) mixers in every layer",
     "granitemoehybrid": _SSM_HYBRID,
     "nemotron_h": _SSM_HYBRID,
-    "qwen3_next": _LINEAR_HYBRID,
-    "qwen3_5": _LINEAR_HYBRID,
-    "qwen3_5_text": _LINEAR_HYBRID,
-    "qwen3_5_moe": _LINEAR_HYBRID,
-    "qwen3_5_moe_text": _LINEAR_HYBRID,
     "kimi_linear": _LINEAR_HYBRID,
     "olmo_hybrid": _LINEAR_HYBRID,
     "bailing_hybrid": _LINEAR_HYBRID,

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..comm.exchange import exchange_kv, finish_exchange, start_exchange
+from ..comm.exchange import exchange_kv
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
-from ..planning.exchange_plan import head_groups
 from ..step.state import STEP_KWARG, CPStep, active_step
 from .model_check import check_model_support
 
@@ -96,50 +95,13 @@ def blockdiag_attention(
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
 ):
-    """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv].
-
-    With `step.kv_chunks` > 1 on a CP group the layer runs in KV-head groups
-    (`planning.head_groups`): group c+1's exchange is launched before group c's kernel, so it
-    travels while that kernel runs; in backward autograd reaches the groups in reverse and each
-    reverse exchange travels behind the next group's kernel (`comm.exchange`). Heads are
-    independent, so the result is the same for any grouping (the default, 1, was fastest where
-    measured: docs/performance.md).
-    """
+    """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]:
+    the step's K/V exchange, then the local kernel over the rows it returned."""
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
-    sizes = (k.shape[1],) if step.world_size == 1 else head_groups(k.shape[1], step.kv_chunks)
-    if len(sizes) == 1:
-        ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
-        out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
-    else:
-        rep = q.shape[1] // k.shape[1]
-        q_sizes = [n * rep for n in sizes]
-        qs, ks, vs = q.split(q_sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)
-        sinks = features.sinks.reshape(-1).split(q_sizes) if features.sinks is not None else [None] * len(sizes)
-
-        def start(c):
-            return start_exchange(
-                step.kv_exchange, ks[c], vs[c], step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes
-            )
-
-        outs, started, upcoming = [], start(0), None
-        try:
-            for c in range(len(sizes)):
-                upcoming = start(c + 1) if c + 1 < len(sizes) else None  # launched before this group's kernel
-                ek, ev = finish_exchange(started)
-                started = None
-                group_features = AttentionFeatures(features.softcap, sinks[c])
-                outs.append(
-                    local_attention(step, qs[c], ek, ev, scale=scale, sliding_window=sliding_window, features=group_features)
-                )
-                started, upcoming = upcoming, None
-        except BaseException:
-            for pending in (started, upcoming):
-                if pending is not None:
-                    pending.abandon("an attention call raised while a K/V exchange was in flight")
-            raise
-        out = torch.cat(outs, dim=1)
+    ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
+    out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
     step.attention_calls += 1
     return out.unsqueeze(0)
 
@@ -158,10 +120,10 @@ class _GatherKeys(torch.autograd.Function):
     """rows[plan.key_index], whose backward adds the key gradients back level by level.
 
     `index_select`'s backward is an `index_add_` whose repeated rows (two runs of one document
-    on a rank share a key prefix) contend for the same atomics; on an H200 that cost up to a
-    tenth of a rank's attention time at 128k / G = 8. Here every level of `plan.key_levels`
-    names each row once: level 0 is a gather (or a copy into zeros when some rows are unused),
-    the rest are conflict-free `index_add_`s over the few repeated rows."""
+    on a rank share a key prefix) contend for the same atomics (measured in docs/layouts.md,
+    "The key gather"). Here every level of `plan.key_levels` names each row once: level 0 is a
+    gather (or a copy into zeros when some rows are unused), the rest are conflict-free
+    `index_add_`s over the few repeated rows."""
 
     @staticmethod
     def forward(ctx, rows, plan):

@@ -1,46 +1,62 @@
-"""cp = 1 packed attention for modules that call `F.scaled_dot_product_attention` themselves.
+"""cp = 1 packed attention for modules that call `scaled_dot_product_attention` themselves.
 
 Some attention modules (custom or remote-code models) never go through Transformers'
-AttentionInterface: they call `torch.nn.functional.scaled_dot_product_attention(q, k, v,
-is_causal=True)` on the whole packed row, which lets documents attend to each other. These
-hooks make such calls block-causal on one rank without touching the model's code:
+AttentionInterface: they call SDPA with `is_causal=True` on the whole packed row, which lets
+documents attend to each other. These hooks make such calls per document on one rank without
+touching the model's code:
 
-    hooks = attach_cp1_packed_varlen_hooks(model)    # once
-    enable_cp1_packed_varlen(document_ids, "auto")   # before every packed forward
+    hooks = attach_cp1_packed_varlen_hooks(model)  # once
+    hooks.enable(document_ids, "auto")             # before every packed forward
     loss = model(**batch).loss
-    loss.backward()                                  # recompute stays packed
+    loss.backward()                                # recompute stays packed
 
-Scope: `F.scaled_dot_product_attention` is replaced only while a hooked attention module's
-forward runs (forward pre-hook in, forward hook with `always_call=True` out, so it is restored
-even when the forward raises), and the replacement routes only causal, mask-free calls made
-from such a forward; everything else goes to the original SDPA. Hooks sit on the attention
-modules themselves, inside any checkpoint wrapper, so activation-checkpoint recompute
-(which re-runs the inner module during backward) takes the packed path again. The packing
-state survives backward and is cleared at the next outer (model) forward: call
-`enable_cp1_packed_varlen` before every packed forward.
+Exact or loud: while a pack is armed, every SDPA call made inside a hooked forward either runs
+per document (causal, no mask, no dropout, the pack's length) or raises naming the module and
+what the call did; a hooked forward that makes no SDPA call raises too (its attention was
+computed some other way). Unarmed, or outside hooked forwards, SDPA is untouched.
+
+Interception is a `TorchFunctionMode`, entered by the outermost hooked forward of a hooks
+object (forward pre-hook) and left by its forward hook (`always_call=True`, so also when the
+forward raises). It sees every call of the builtin `torch._C._nn.scaled_dot_product_attention`
+(which `F.scaled_dot_product_attention` is) however the caller bound it; nothing is swapped
+process-wide. PyTorch takes a mode off the mode stack while its `__torch_function__` runs, so
+the packed kernel's own SDPA calls go to stock SDPA. The hooks sit on the attention modules
+inside any checkpoint wrapper, so activation-checkpoint recompute re-enters the mode.
+
+State: each hooks object holds its own pack (armed by `enable`, kept through backward, cleared
+at the next forward of the model it was attached to), so two models never share one. The
+module-level functions act on the live hooks objects (a weak registry, which holds no pack)
+or on those hooking one model. A hooks object cannot be copied (the copy would share the
+original's hook handles), and two hooks objects cannot hook the same module.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from ..kernels import canonical_kernel_name
 from ..planning import Layout, plan_layout, validate_document_ids
 from ..step import CPStep, build_step
 from .entry import blockdiag_attention
 
+# The function every spelling of SDPA reaches: F.scaled_dot_product_attention is this builtin.
+_SDPA = torch._C._nn.scaled_dot_product_attention
 
-# --------------------------------------------------------------------------- packing state
+
+# --------------------------------------------------------------------------- one pack
 
 
 @dataclass
 class _PackedState:
-    """One packed batch: its document ids, the kernel choice, and its cp = 1 plan per device."""
+    """One armed pack: its kernel, its cp = 1 plan, the plan on each device, outer forwards seen."""
 
     backend: str
     layout: Layout
@@ -58,15 +74,8 @@ class _PackedState:
         return step
 
 
-_STATE: _PackedState | None = None
-
-
-def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str = "auto") -> None:
-    """Make hooked attention block-causal over `doc_ids` ([S] or [1,S], 1-based, 0 = padding)
-    with kernel `backend` (any `attn_backend` spelling; `auto` = varlen on CUDA in half
-    precision, else the first kernel that can run). Holds until the next outer forward after
-    the one it is used for, or `disable_cp1_packed_varlen()`."""
-    global _STATE
+def _plan(doc_ids: torch.Tensor, backend: str) -> tuple[str, Layout]:
+    """Check `doc_ids` ([S] or [1,S], 1-based, 0 = padding) and `backend`; the cp = 1 layout."""
     if not isinstance(doc_ids, torch.Tensor):
         raise TypeError(f"doc_ids must be a tensor of document ids; got {type(doc_ids).__name__}")
     if doc_ids.ndim == 2 and doc_ids.shape[0] != 1:
@@ -75,96 +84,201 @@ def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str = "auto") -> No
         raise ValueError(f"doc_ids must be an integer tensor [S] or [1,S]; got {doc_ids.dtype} {tuple(doc_ids.shape)}")
     ids = doc_ids.reshape(-1).long().cpu()
     validate_document_ids(ids, "doc_ids")
-    _STATE = _PackedState(backend=canonical_kernel_name(backend), layout=plan_layout(ids, 1))
+    return canonical_kernel_name(backend), plan_layout(ids, 1)
 
 
-def disable_cp1_packed_varlen() -> None:
-    """Back to stock SDPA in hooked modules."""
-    global _STATE
-    _STATE = None
+# --------------------------------------------------------------------------- one SDPA call
 
 
-def cp1_packed_varlen_backend() -> str | None:
-    """The canonical kernel name requested by `enable_cp1_packed_varlen`, or None when disabled."""
-    return None if _STATE is None else _STATE.backend
+class _SdpaCall(NamedTuple):
+    """The arguments of one SDPA call, bound as the builtin binds them (positional or keyword)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    attn_mask: torch.Tensor | None = None
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    scale: float | None = None
+    enable_gqa: bool = False
 
 
-# --------------------------------------------------------------------------- the scoped swap
-
-_lock = threading.Lock()
-_swap_depth = 0  # hooked forwards in progress, all threads
-_original_sdpa: Callable | None = None  # F.scaled_dot_product_attention before the outermost of them
-_thread = threading.local()  # .depth: hooked forwards in progress in this thread
+def _shape(t) -> str:
+    return f"{tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _enter(module, args):
-    global _swap_depth, _original_sdpa
-    with _lock:
-        if _swap_depth == 0:
-            _original_sdpa = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = packed_sdpa
-        _swap_depth += 1
-    _thread.depth = getattr(_thread, "depth", 0) + 1
+def _unsupported(call: _SdpaCall, seq_len: int) -> str | None:
+    """What `call` does that the packed path cannot do exactly, or None."""
+    q, k, v = call.query, call.key, call.value
+    if call.attn_mask is not None:
+        return (f"an explicit attn_mask of shape {_shape(call.attn_mask)}; the packed path builds the per-document "
+                "causal mask from doc_ids itself, so call SDPA with attn_mask=None, is_causal=True")
+    if not call.is_causal:
+        return "is_causal=False (bidirectional attention); only causal self-attention can run per document"
+    if call.dropout_p:
+        return f"dropout_p={call.dropout_p}; attention dropout is not supported (set it to 0 or use eval mode)"
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 4 and t.shape[0] == 1 for t in (q, k, v)):
+        return (f"query {_shape(q)}, key {_shape(k)}, value {_shape(v)}; the packed path needs "
+                "[1, heads, seq, head_dim] tensors (one packed row)")
+    if q.shape[2] != seq_len or k.shape[2] != seq_len or v.shape[2] != seq_len:
+        return (f"query/key/value of {q.shape[2]}/{k.shape[2]}/{v.shape[2]} positions, but the armed doc_ids "
+                f"hold {seq_len}; arm this batch's document ids")
+    if k.shape[1] != v.shape[1] or q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not call.enable_gqa):
+        return (f"{q.shape[1]} query heads, {k.shape[1]} key heads and {v.shape[1]} value heads; key and value "
+                "heads must match and divide the query heads, with enable_gqa=True when they differ")
+    return None
 
 
-def _exit(module, args, output):
-    global _swap_depth, _original_sdpa
-    _thread.depth -= 1
-    with _lock:
-        _swap_depth -= 1
-        if _swap_depth == 0:
-            F.scaled_dot_product_attention = _original_sdpa
-            _original_sdpa = None
-
-
-def _outer_forward(module, args):
-    """Model forward: the state set for the previous forward (and its backward) is spent."""
-    global _STATE
-    state = _STATE
-    if state is None:
-        return
-    if state.outer_forwards >= 1:
-        _STATE = None
-    else:
-        state.outer_forwards += 1
-
-
-def packed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, **kwargs):
-    """What hooked attention forwards see as `F.scaled_dot_product_attention`."""
-    original = _original_sdpa or torch._C._nn.scaled_dot_product_attention
-    state = _STATE
-    if state is None or getattr(_thread, "depth", 0) == 0 or not is_causal:
-        return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa, **kwargs)
-    if attn_mask is not None:
-        raise ValueError(
-            "cp1 packed attention: a causal SDPA call came with its own attn_mask; the packed path builds the "
-            "per-document mask from doc_ids itself. Call it with attn_mask=None, is_causal=True, or disable the "
-            "packed path (disable_cp1_packed_varlen) for this model"
-        )
-    if dropout_p:
-        raise NotImplementedError(f"cp1 packed attention: dropout_p={dropout_p} is not supported; use 0 (or eval mode)")
-    if query.ndim != 4 or query.shape[0] != 1:
-        raise ValueError(f"cp1 packed attention needs query [1,H,S,D] (one packed row); got {tuple(query.shape)}")
-    seq_len = query.shape[2]
-    if seq_len != state.seq_len or key.shape[2] != seq_len:
-        raise ValueError(
-            f"cp1 packed attention: query has {seq_len} and key {key.shape[2]} positions, but doc_ids given to "
-            f"enable_cp1_packed_varlen hold {state.seq_len}; call it with this batch's document ids"
-        )
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(
-            f"cp1 packed attention: {query.shape[1]} query heads and {key.shape[1]} key heads need enable_gqa=True"
-        )
-    step = state.step_for(query.device)
+def _packed_attention(state: _PackedState, call: _SdpaCall) -> torch.Tensor:
+    """Per-document causal attention of one packed row, laid out as SDPA returns it ([1,H,S,D])."""
+    q, k, v = call.query, call.key, call.value
+    seq_len = q.shape[2]
+    step = state.step_for(q.device)
     pad = step.local_len - seq_len  # the cp = 1 plan pads to an even length
     if pad:
-        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-    out = blockdiag_attention(step, query, key, value, scale=scale, sliding_window=None)
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    out = blockdiag_attention(step, q, k, v, scale=call.scale, sliding_window=None)
     return out[:, :seq_len].transpose(1, 2)
 
 
-# --------------------------------------------------------------------------- attaching
+class _PackedSdpaMode(TorchFunctionMode):
+    """Routes SDPA calls to their hooks object; every other function runs as it would."""
+
+    def __init__(self, hooks: Cp1PackedHooks):
+        super().__init__()
+        self.hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self.hooks._sdpa(args, kwargs)
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the hooks object
+
+
+@dataclass(eq=False)
+class _Frame:
+    """A hooked forward in progress: its module, the mode it entered (outermost only), SDPA calls."""
+
+    module: torch.nn.Module
+    mode: _PackedSdpaMode | None
+    calls: int = 0
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # hooks objects not removed yet; no pack lives here
+
+
+class Cp1PackedHooks:
+    """The hooks on one model's attention modules and the pack they run (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, attention_modules: list[torch.nn.Module]):
+        names = {id(m): n.replace("._checkpoint_wrapped_module", "") for n, m in model.named_modules()}
+        self.attention_modules = list(attention_modules)
+        self._labels = {id(m): f"{names[id(m)] or '<root>'} ({type(m).__name__})" if id(m) in names
+                        else type(m).__name__ for m in self.attention_modules}
+        self._state: _PackedState | None = None
+        self._frames: dict[int, list[_Frame]] = {}  # thread id -> hooked forwards in progress there
+        self._handles = [model.register_forward_pre_hook(self._outer_forward)]
+        for m in self.attention_modules:
+            self._handles.append(m.register_forward_pre_hook(self._enter))
+            self._handles.append(m.register_forward_hook(self._exit, always_call=True))
+        _LIVE.add(self)
+
+    def enable(self, doc_ids: torch.Tensor, backend: str = "auto") -> None:
+        """Arm the pack `doc_ids` ([S] or [1,S], 1-based, 0 = padding) with kernel `backend` (any
+        `attn_backend` spelling; `auto` = varlen on CUDA in half precision, else the first kernel
+        that can run). Holds through this forward's backward, until the model's next forward or
+        `disable()`."""
+        self._arm(*_plan(doc_ids, backend))
+
+    def _arm(self, backend: str, layout: Layout) -> None:
+        self._state = _PackedState(backend, layout)
+
+    def disable(self) -> None:
+        """Disarm: hooked modules run stock SDPA."""
+        self._state = None
+
+    @property
+    def backend(self) -> str | None:
+        """The canonical kernel name armed, or None."""
+        return None if self._state is None else self._state.backend
+
+    def remove(self) -> None:
+        """Detach every hook and disarm."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._state = None
+        _LIVE.discard(self)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "Cp1PackedHooks cannot be copied or pickled (a copy would share the original's hook handles); copy the "
+            "model before attach_cp1_packed_varlen_hooks, or remove() the hooks and attach them again to the copy"
+        )
+
+    # ---- hooks
+
+    def _outer_forward(self, module, args) -> None:
+        """Model forward: the pack armed for the previous forward (and its backward) is spent."""
+        state = self._state
+        if state is not None:
+            if state.outer_forwards >= 1:
+                self._state = None
+            else:
+                state.outer_forwards += 1
+
+    def _enter(self, module, args) -> None:
+        frames = self._frames.get(threading.get_ident())
+        if frames is None:
+            if self._state is None:
+                return  # nothing armed: no mode, stock SDPA
+            mode = _PackedSdpaMode(self)
+            mode.__enter__()
+            self._frames[threading.get_ident()] = frames = []
+            frames.append(_Frame(module, mode))
+        else:
+            frames.append(_Frame(module, None))
+
+    def _exit(self, module, args, output) -> None:
+        tid = threading.get_ident()
+        frames = self._frames.get(tid)
+        if not frames or frames[-1].module is not module:
+            return  # its pre-hook did not push a frame (unarmed, or an earlier pre-hook raised)
+        frame = frames.pop()
+        if frames:
+            frames[-1].calls += frame.calls
+        else:
+            del self._frames[tid]
+            frame.mode.__exit__(None, None, None)
+        # Module._call_impl runs always_call hooks inside its `except`: skip the check when the forward raised.
+        if frame.calls == 0 and self._state is not None and sys.exc_info()[0] is None:
+            raise RuntimeError(
+                f"cp1 packed attention: {self._labels[id(module)]} ran its forward with a pack armed but made no "
+                "scaled_dot_product_attention call, so its attention (eager, flash_attn, ...) was not made per "
+                "document. Use attn_implementation='sdpa', or leave it out (modules= / module_filter=)"
+            )
+
+    def _sdpa(self, args, kwargs) -> torch.Tensor:
+        """An SDPA call made inside a hooked forward (our mode is off the stack while this runs)."""
+        frames = self._frames.get(threading.get_ident())
+        state = self._state
+        if state is None or not frames:
+            return _SDPA(*args, **kwargs)
+        call = _SdpaCall(*args, **kwargs)
+        frames[-1].calls += 1
+        problem = _unsupported(call, state.seq_len)
+        if problem is not None:
+            raise ValueError(
+                f"cp1 packed attention: {self._labels[id(frames[-1].module)]} called scaled_dot_product_attention "
+                f"with {problem}. Otherwise leave this module out of the hooks (modules= / module_filter=) or disarm them"
+            )
+        return _packed_attention(state, call)
+
+
+# --------------------------------------------------------------------------- attaching and arming
 
 
 def _is_attention_module(module: torch.nn.Module) -> bool:
@@ -179,19 +293,6 @@ def _inner(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-@dataclass
-class Cp1PackedHooks:
-    """Handles of the installed hooks; `remove()` detaches them."""
-
-    attention_modules: list
-    handles: list
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
 def attach_cp1_packed_varlen_hooks(
     model: torch.nn.Module,
     modules: Iterable[torch.nn.Module] | None = None,
@@ -199,7 +300,8 @@ def attach_cp1_packed_varlen_hooks(
 ) -> Cp1PackedHooks:
     """Hook the attention modules of `model` (default: classes named `*Attention` / `*Attn`, or
     the given `modules`, or those passing `module_filter`), and `model`'s own forward, which
-    clears a spent packing state. Raises if no attention module is found."""
+    clears a spent pack. Returns the hooks object, unarmed. Raises if no attention module is
+    found or one is already hooked."""
     if modules is None:
         keep = module_filter or _is_attention_module
         modules = [m for m in model.modules() if keep(m) and not hasattr(m, "_checkpoint_wrapped_module")]
@@ -213,8 +315,47 @@ def attach_cp1_packed_varlen_hooks(
             f"attach_cp1_packed_varlen_hooks: no attention module found in {type(model).__name__}; pass modules= "
             "or module_filter= to name the modules whose forward calls F.scaled_dot_product_attention"
         )
-    handles = [model.register_forward_pre_hook(_outer_forward)]
-    for m in targets:
-        handles.append(m.register_forward_pre_hook(_enter))
-        handles.append(m.register_forward_hook(_exit, always_call=True))
-    return Cp1PackedHooks(targets, handles)
+    hooked = {id(m) for hooks in _LIVE for m in hooks.attention_modules}
+    taken = [type(m).__name__ for m in targets if id(m) in hooked]
+    if taken:
+        raise ValueError(
+            f"attach_cp1_packed_varlen_hooks: {', '.join(taken)} already hooked by another Cp1PackedHooks; "
+            "call its remove() first"
+        )
+    return Cp1PackedHooks(model, targets)
+
+
+def _hooks_of(model: torch.nn.Module | None) -> list[Cp1PackedHooks]:
+    """The live hooks objects, or those hooking a module of `model`."""
+    live = list(_LIVE)
+    if model is None:
+        return live
+    inside = {id(m) for m in model.modules()}
+    return [hooks for hooks in live if any(id(m) in inside for m in hooks.attention_modules)]
+
+
+def enable_cp1_packed_varlen(doc_ids: torch.Tensor, backend: str = "auto", model: torch.nn.Module | None = None) -> None:
+    """`Cp1PackedHooks.enable` on every live hooks object, or only on those hooking `model`; each
+    gets its own copy of the pack. Raises if there is none."""
+    found = _hooks_of(model)
+    if not found:
+        where = "" if model is None else f" on {type(model).__name__}"
+        raise ValueError(f"enable_cp1_packed_varlen: no cp1 hooks attached{where}; call attach_cp1_packed_varlen_hooks first")
+    planned = _plan(doc_ids, backend)
+    for hooks in found:
+        hooks._arm(*planned)
+
+
+def disable_cp1_packed_varlen(model: torch.nn.Module | None = None) -> None:
+    """Disarm every live hooks object, or those hooking `model`: back to stock SDPA."""
+    for hooks in _hooks_of(model):
+        hooks.disable()
+
+
+def cp1_packed_varlen_backend(model: torch.nn.Module | None = None) -> str | None:
+    """The kernel armed on the hooks of `model` (on any live hooks when None); None when none is
+    armed. Raises when hooks armed with different kernels are asked for together."""
+    armed = {hooks.backend for hooks in _hooks_of(model)} - {None}
+    if len(armed) > 1:
+        raise ValueError(f"cp1_packed_varlen_backend: hooks armed with different kernels {sorted(armed)}; pass model=")
+    return next(iter(armed), None)

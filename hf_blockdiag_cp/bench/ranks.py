@@ -25,15 +25,14 @@ import torch
 from ..kernels import calibrated_cost, canonical_kernel_name
 from ..planning import (
     DEFAULT_KERNEL_COST,
-    EXCHANGE_KINDS,
-    NEEDED_ONLY,
     KernelCost,
+    exchange_names,
+    get_exchange,
     layout_cost,
     layout_strategies,
     plan_exchange,
     plan_layout,
     rank_features,
-    rank_routes,
 )
 from ..attention import local_attention
 from ..step import CPStep, build_step
@@ -125,10 +124,8 @@ def run(args) -> list[dict]:
             """Rank `rank`'s fwd+bwd on the key buffer its exchange hands the kernel (all G·L rows in slot
             order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs."""
             step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan)
-            slots = layout.slot_positions.to(device)
-            keys = (slots.reshape(-1) if exchange_plan is None
-                    else rank_routes(layout, exchange_plan, rank).key_positions.to(device))
-            q = q_all[slots[rank]].detach().requires_grad_()
+            keys = step.plan.row_positions  # the rows the exchange returns, in its order
+            q = q_all[layout.slot_positions[rank].to(device)].detach().requires_grad_()
             k = k_all[keys].detach().requires_grad_()
             v = v_all[keys].detach().requires_grad_()
 
@@ -139,13 +136,13 @@ def run(args) -> list[dict]:
             return fwd_bwd, predicted_pairs(step)
 
         single = plan_layout(doc_ids, 1)
-        needed_only = args.exchange in NEEDED_ONLY
-        single_fn, _ = rank_call(single, 0, plan_exchange(single) if needed_only else None)
+        needs_plan = get_exchange(args.exchange).needs_plan
+        single_fn, _ = rank_call(single, 0, plan_exchange(single) if needs_plan else None)
         single_ms = None
         for cp_size in args.cp_sizes:
             for strategy in strategies:
                 layout = plan_layout(doc_ids, cp_size, strategy, kernel_cost=kernel_cost)
-                exchange_plan = plan_exchange(layout) if needed_only else None
+                exchange_plan = plan_exchange(layout) if needs_plan else None
                 calls, pairs = zip(*(rank_call(layout, r, exchange_plan) for r in range(cp_size)))
                 # The single-GPU call takes turns with the ranks: clock drift hits numerator and denominator alike.
                 fns = {"single": single_fn, **{r: fn for r, fn in enumerate(calls)}}
@@ -206,7 +203,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="rate measurements per rank (median), the ranks taking turns")
     p.add_argument("--calls", type=int, default=4, help="calls queued back to back per rate measurement")
-    p.add_argument("--exchange", default="allgather", choices=EXCHANGE_KINDS,
+    p.add_argument("--exchange", default="allgather", choices=exchange_names(),
                    help="the exchange whose key buffer each rank's kernel sees: allgather (all G·L rows) "
                         "or a needed-only one (halo, a2a: the rank's needed rows)")
     p.add_argument("--seed", type=int, default=0)

@@ -40,12 +40,6 @@ def fail_group(group, reason: str) -> None:
         pass
 
 
-def group_failed(group) -> bool:
-    """Whether a collective on `group` failed on this rank (its pending work will not complete normally)."""
-    key = _group_key(group)
-    return key is not None and key in _FAILED_GROUPS
-
-
 def check_group_usable(group) -> None:
     """Raise if an earlier step failed on `group` (its ranks are no longer in lock step)."""
     key = _group_key(group)

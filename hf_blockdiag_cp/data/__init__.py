@@ -9,7 +9,6 @@ from .loader import (
     PackedDataLoader,
     PackedExamples,
     dataset_lengths,
-    dp_cp_coordinates,
     packed_dataloader,
 )
 from .packing import PackingStats, first_fit_decreasing
@@ -23,7 +22,6 @@ __all__ = [
     "PackedExamples",
     "PackingStats",
     "dataset_lengths",
-    "dp_cp_coordinates",
     "first_fit_decreasing",
     "packed_dataloader",
 ]

@@ -7,9 +7,9 @@ shuffling and first-fit-decreasing packing), then keeps the packs of its DP repl
 peers construct it with equal arguments, so they yield identical packs; the shard step's
 per-step consensus (`make_cp_blockdiag_batch_and_ctx`) raises if they ever differ.
 
-Rank layout convention (`dp_cp_coordinates`): CP is the fastest-varying mesh dimension,
-ranks `[dp * cp_size, (dp + 1) * cp_size)` form one CP group, as
-`init_device_mesh(device, (dp, cp), mesh_dim_names=("dp", "cp"))` lays them out.
+Rank layout convention (`hf_blockdiag_cp.comm.DPCPCoordinates`): CP is the fastest-varying
+mesh dimension, ranks `[dp * cp_size, (dp + 1) * cp_size)` form one CP group, as
+`hf_blockdiag_cp.comm.build_dp_cp_mesh` lays them out.
 """
 
 from __future__ import annotations
@@ -23,18 +23,6 @@ from torch.utils.data import DataLoader, Sampler
 
 from .collator import OVERSIZE_POLICIES, BlockdiagCPCollator
 from .packing import PackingStats, checked_length, first_fit_decreasing
-
-
-def dp_cp_coordinates(world_size: int, rank: int, cp_size: int) -> tuple[int, int, int]:
-    """`(dp_size, dp_rank, cp_rank)` of global `rank`, CP fastest-varying."""
-    for name, value in (("world_size", world_size), ("cp_size", cp_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    if world_size % cp_size:
-        raise ValueError(f"world_size={world_size} must be divisible by cp_size={cp_size}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be an integer in [0, world_size={world_size}); got {rank!r}")
-    return world_size // cp_size, rank // cp_size, rank % cp_size
 
 
 @dataclass(frozen=True)
@@ -279,7 +267,7 @@ def packed_dataloader(
     `input_ids` (and optional `labels`). Lengths are read from `length_key` unless `lengths`
     is given. With `cp_rank` set, batches are already sharded for that CP rank (in the
     worker processes when `num_workers > 0`), laid out by `cp_config`'s layout (a `CPConfig`;
-    default: contiguous chunks). Get coordinates from `dp_cp_coordinates`.
+    default: contiguous chunks). Get coordinates from `DPCPCoordinates` (`hf_blockdiag_cp.comm`).
     Do not pass the result through `accelerator.prepare`: that would re-shard its batches.
     """
     collator = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, oversize, cp_config)

@@ -5,6 +5,7 @@ tested exhaustively against dense masks and reused by the benchmarks. Modules, b
 `segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
 strategies, registered by name), `balance` (the "balanced" strategy), `rank_plan` (one
 rank's queries, keys and varlen offsets), `exchange_plan` (needed keys and traffic),
+`exchange_registry` (one `ExchangeRecord` per K/V exchange, registered by `comm.exchanges`),
 `kernel_cost` (what a tiled kernel spends on a query run: `KernelCost`, the one home of run
 arithmetic), `cost` (work, predicted cost and bytes per rank).
 """
@@ -12,18 +13,27 @@ arithmetic), `cost` (work, predicted cost and bytes per rank).
 from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
 from .cost import LayoutCost, ideal_cost, layout_cost, rank_cost, rank_features, rank_runs, rank_work, split_documents
 from .exchange_plan import (
-    EXCHANGE_KINDS,
-    NEEDED_ONLY,
     ExchangeBytes,
     ExchangePlan,
+    RankExchange,
     RankRoutes,
-    choose_exchange,
-    head_groups,
     kv_row_bytes,
     needed_intervals,
     needed_rank_plan,
+    needed_rows_per_layer,
     plan_exchange,
+    plan_needed_rows,
     rank_routes,
+)
+from .exchange_registry import (
+    ExchangeRecord,
+    canonical_exchange_name,
+    choose_exchange,
+    exchange_names,
+    exchange_records,
+    get_exchange,
+    register_exchange,
+    unregister_exchange,
 )
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs
 from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
@@ -41,23 +51,26 @@ from .segments import (
 __all__ = [
     "DEFAULT_KERNEL_COST",
     "DEFAULT_TOLERANCE",
-    "EXCHANGE_KINDS",
-    "NEEDED_ONLY",
     "PAIR_COUNT",
     "ExchangeBytes",
     "ExchangePlan",
+    "ExchangeRecord",
     "KernelCost",
     "Layout",
     "LayoutCost",
+    "RankExchange",
     "RankPlan",
     "RankRoutes",
     "Segments",
+    "canonical_exchange_name",
     "choose_exchange",
     "dense_allowed",
-    "head_groups",
     "document_ids_from_cu_seqlens",
     "document_ids_from_lengths",
     "document_ids_from_position_ids",
+    "exchange_names",
+    "exchange_records",
+    "get_exchange",
     "ideal_cost",
     "key_row_levels",
     "kv_row_bytes",
@@ -65,8 +78,10 @@ __all__ = [
     "layout_strategies",
     "needed_intervals",
     "needed_rank_plan",
+    "needed_rows_per_layer",
     "padded_length",
     "plan_exchange",
+    "plan_needed_rows",
     "plan_layout",
     "plan_rank",
     "positions_from_document_ids",
@@ -76,8 +91,10 @@ __all__ = [
     "rank_runs",
     "rank_work",
     "run_pairs",
+    "register_exchange",
     "register_layout_strategy",
     "split_documents",
+    "unregister_exchange",
     "validate_document_ids",
     "validate_rank_plan",
 ]

@@ -2,7 +2,8 @@
 
 Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask;
 cost is what a tiled kernel is predicted to spend on the rank's query runs (`KernelCost`,
-the arithmetic's home is `planning.kernel_cost`); bytes come from the exchange plan.
+the arithmetic's home is `planning.kernel_cost`); bytes come from the exchange records
+(`exchange_registry`) over the layout's exchange plan.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from .exchange_plan import kv_row_bytes, plan_exchange
+from .exchange_registry import exchange_records
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs  # noqa: F401  (re-exported)
 from .layout import Layout
 
@@ -65,16 +67,15 @@ def split_documents(layout: Layout) -> int:
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """What a layout costs each rank per attention layer (K/V bytes received in the forward;
-    the backward receives as many for allgather, and each rank's sent rows for a2a)."""
+    """What a layout costs each rank per attention layer. `exchange_bytes` has, for every
+    registered exchange that can serve the layout, the K/V bytes each rank receives in the
+    forward (the record's `rows_per_layer` says what the backward receives)."""
 
     work: list[int]  # block-causal query-key pairs
     cost: list[float]  # predicted kernel cost (`KernelCost`, units of one full tile)
     ideal: float  # the whole pack's cost on one rank / G (no run split)
     tokens: list[int]  # real (non-padding) rows
-    allgather_bytes: list[int]  # every rank's rows to every rank
-    a2a_bytes: list[int]  # exactly the needed remote rows (`exchange_plan`)
-    halo_valid: bool  # whether left-neighbour halo exchange can serve the layout
+    exchange_bytes: dict[str, list[int]]  # exchange name -> forward bytes per rank
     split_documents: int
 
     @property
@@ -112,8 +113,10 @@ def layout_cost(
         cost=rank_cost(layout, kernel_cost),
         ideal=ideal_cost(layout, kernel_cost),
         tokens=layout.real_tokens_per_rank(),
-        allgather_bytes=[plan.bytes_per_layer("allgather", r, row_bytes).forward for r in ranks],
-        a2a_bytes=[plan.bytes_per_layer("a2a", r, row_bytes).forward for r in ranks],
-        halo_valid=plan.halo_valid,
+        exchange_bytes={
+            x.name: [x.bytes_per_layer(plan, r, row_bytes).forward for r in ranks]
+            for x in exchange_records()
+            if x.reason(plan) is None
+        },
         split_documents=split_documents(layout),
     )

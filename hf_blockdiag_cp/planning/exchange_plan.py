@@ -1,5 +1,5 @@
-"""Needed-only K/V exchange plans: which keys every rank needs, who sends what to whom, and
-the bytes each exchange moves. Pure planning over a `Layout` (no torch.distributed).
+"""K/V exchange planning over a `Layout`: which keys every rank needs, who holds them, and the
+routes of the exchanges that move exactly those rows. Pure (no torch.distributed).
 
 Needed keys. A real query needs the keys of its own document from the document's start (or
 from `q - W + 1` under a sliding window of W) up to itself. A padding query only sees the
@@ -8,15 +8,11 @@ padding rows attend to cannot reach a loss, and fetching remote padding would be
 waste. Every rank's needed keys are a few disjoint position intervals (`[start, stop)`),
 computed from maximal *pieces* of its rows: consecutive pack positions of one segment.
 
-Transports, all moving exactly the needed rows (so the same bytes whenever both are valid):
-- `a2a`: one all-to-all-v; valid for every layout.
-- `halo`: point-to-point from left neighbours only. A rank's left neighbours are the owners
-  of the position just before each run of consecutive positions it holds (rank r-1 for
-  contiguous chunks). Valid when every rank needs remote keys from left neighbours only,
-  i.e. (contiguous layouts) when no needed document spans more than two ranks.
-- `allgather`: every rank receives all (G-1)·L foreign rows, whatever it needs.
-Byte counts are what one rank *receives* per attention layer: forward K/V rows, backward
-gradients of the rows it sent (reverse exchange; all-gather's reduce-scatter receives (G-1)·L).
+The exchanges themselves are records (`planning.exchange_registry`); each one's `plan` returns
+a `RankExchange` for a rank. What they share lives here: `plan_exchange` (needed keys and the
+traffic matrix of a layout) and `plan_needed_rows` / `needed_rows_per_layer` for the exchanges
+that return exactly the needed keys (halo, a2a). Row counts are what one rank *receives* per
+attention layer: forward K/V rows, backward gradients of the rows it sent (reverse exchange).
 """
 
 from __future__ import annotations
@@ -28,9 +24,6 @@ import torch
 from .layout import Layout
 from .rank_plan import RankPlan, plan_rank
 from .segments import expand, intersect, interval_size, ranges, run_bounds
-
-EXCHANGE_KINDS = ("allgather", "halo", "a2a")
-NEEDED_ONLY = ("halo", "a2a")
 
 
 # --------------------------------------------------------------------------- intervals
@@ -76,8 +69,8 @@ class ExchangeBytes:
 class ExchangePlan:
     """Who needs which keys and who sends how many rows to whom, for one layout (and window).
 
-    `traffic[src, dst]` is the number of K/V rows rank `src` sends to rank `dst` in the
-    needed-only exchanges (zero on the diagonal: own rows never travel).
+    `traffic[src, dst]` is the number of K/V rows rank `src` sends to rank `dst` when every
+    rank receives exactly its needed keys (zero on the diagonal: own rows never travel).
     """
 
     cp_size: int
@@ -86,8 +79,6 @@ class ExchangePlan:
     needed: tuple[torch.Tensor, ...]  # per rank, [n, 2] intervals of needed key positions
     held: tuple[torch.Tensor, ...]  # per rank, [m, 2] intervals of held positions
     traffic: torch.Tensor  # [G, G] int64 rows, src x dst
-    left_neighbours: tuple[frozenset[int], ...]
-    halo_valid: bool
 
     def num_keys(self, rank: int) -> int:
         """Rows the needed-only exchanges return to `rank` (its own rows included)."""
@@ -98,26 +89,6 @@ class ExchangePlan:
 
     def send_rows(self, rank: int) -> int:
         return int(self.traffic[rank, :].sum())
-
-    def rows_per_layer(self, exchange: str, rank: int) -> tuple[int, int]:
-        """(forward, backward) rows `rank` receives per layer with `exchange`."""
-        if exchange == "allgather":
-            n = (self.cp_size - 1) * self.local_len
-            return n, n
-        if exchange == "halo" and not self.halo_valid:
-            raise ValueError("kv_exchange='halo' is not valid for this layout: some rank needs keys beyond its left neighbours")
-        if exchange in NEEDED_ONLY:
-            return self.recv_rows(rank), self.send_rows(rank)
-        raise ValueError(f"exchange must be one of {', '.join(EXCHANGE_KINDS)}; got {exchange!r}")
-
-    def bytes_per_layer(self, exchange: str, rank: int, row_bytes: int) -> ExchangeBytes:
-        """Bytes `rank` receives per attention layer with `exchange`; `row_bytes` = Hkv·(Dk+Dv)·element size."""
-        fwd, bwd = self.rows_per_layer(exchange, rank)
-        return ExchangeBytes(fwd * row_bytes, bwd * row_bytes)
-
-    def max_rows(self, exchange: str) -> int:
-        """Forward + backward rows received by the busiest rank: the cost `auto` compares."""
-        return max(sum(self.rows_per_layer(exchange, r)) for r in range(self.cp_size))
 
     @property
     def total_traffic(self) -> int:
@@ -130,8 +101,8 @@ def kv_row_bytes(kv_heads: int, head_dim_k: int, head_dim_v: int, bytes_per_elem
 
 
 def plan_exchange(layout: Layout, sliding_window: int | None = None) -> ExchangePlan:
-    """The needed-only exchange plan of `layout` (keys clipped to `sliding_window` when given)."""
-    g, local_len = layout.cp_size, layout.local_len
+    """The needed keys and traffic of `layout` (keys clipped to `sliding_window` when given)."""
+    g = layout.cp_size
     needed = tuple(needed_intervals(layout, r, sliding_window) for r in range(g))
     held = tuple(layout.held_intervals(r) for r in range(g))
     traffic = torch.zeros(g, g, dtype=torch.long)
@@ -139,40 +110,22 @@ def plan_exchange(layout: Layout, sliding_window: int | None = None) -> Exchange
         for src in range(g):
             if src != dst:
                 traffic[src, dst] = interval_size(intersect(needed[dst], held[src]))
-    owner = layout.slot_of_position // local_len
-    left = []
-    for r in range(g):
-        starts = held[r][:, 0]
-        starts = starts[starts > 0]
-        left.append(frozenset(int(o) for o in owner[starts - 1].tolist()) - {r})
-    halo_valid = all(
-        int(traffic[src, dst]) == 0 or src in left[dst] for dst in range(g) for src in range(g) if src != dst
-    )
-    return ExchangePlan(g, local_len, sliding_window, needed, held, traffic, tuple(left), halo_valid)
+    return ExchangePlan(g, layout.local_len, sliding_window, needed, held, traffic)
 
 
-def choose_exchange(requested: str, plan: ExchangePlan, needed_only_allowed: bool = True) -> str:
-    """The exchange a step runs, from the configured name (canonical) and the plan.
+@dataclass(frozen=True)
+class RankExchange:
+    """What one rank's step takes from its exchange, planned once per step on the host.
 
-    - explicit `allgather` / `a2a`: as asked; explicit `halo`: halo if valid, else `a2a`
-      (same bytes, every layout), so a long document never makes a step fail;
-    - `auto`: the cheapest correct one by the busiest rank's forward + backward rows: halo
-      when valid, else a2a, else allgather (ties go to allgather, the best-tuned collective).
-      `needed_only_allowed=False` (a group over several nodes without opt-in) and G = 1 keep
-      allgather.
-    Deterministic in the plan, so every rank of a group that agrees on the pack agrees here.
+    The exchange returns one K/V row per entry of `row_positions` (pack positions, in that
+    order); `rank_plan`'s `key_rows` index those rows (kernels with `takes_all_rows` get them
+    all). `routes` is whatever the exchange's transport needs on this rank (None, or an object
+    with `.to(device)`, e.g. `RankRoutes`).
     """
-    if requested == "allgather" or requested == "a2a":
-        return requested
-    if requested == "halo":
-        return "halo" if plan.halo_valid else "a2a"
-    if requested != "auto":
-        raise ValueError(f"kv_exchange must be one of auto, {', '.join(EXCHANGE_KINDS)}; got {requested!r}")
-    if plan.cp_size == 1 or not needed_only_allowed:
-        return "allgather"
-    if plan.max_rows("a2a") >= plan.max_rows("allgather"):
-        return "allgather"
-    return "halo" if plan.halo_valid else "a2a"
+
+    rank_plan: RankPlan
+    row_positions: torch.Tensor  # [R] int64
+    routes: object = None
 
 
 # --------------------------------------------------------------------------- one rank's routes
@@ -283,26 +236,17 @@ def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
     )
 
 
-# --------------------------------------------------------------------------- pipelining
+# --------------------------------------------------------------------------- needed rows only
 
 
-def head_groups(num_kv_heads: int, chunks: int) -> tuple[int, ...]:
-    """Sizes of the KV-head groups one layer's exchange is pipelined in (`attention.entry`).
+def plan_needed_rows(layout: Layout, plan: ExchangePlan, rank: int) -> RankExchange:
+    """The plan of an exchange that returns exactly `rank`'s needed keys, once each, in pack order
+    (own rows copied, the rest received along `RankRoutes`)."""
+    routes = rank_routes(layout, plan, rank)
+    return RankExchange(needed_rank_plan(layout, plan, rank), routes.key_positions, routes)
 
-    `chunks` groups (at most one per head), growing about geometrically (weights 1, 1, 2, 4, ...).
-    Only the first group's exchange is exposed in the forward (the next group's travels while
-    the kernel runs on the current one), and in backward, which runs the groups in reverse, only
-    the first group's reverse exchange; both are the smallest. Each later exchange hides behind
-    a kernel at least half its size, enough while communication costs under half the compute.
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"kv_chunks must be a positive integer; got {chunks!r}")
-    if num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be positive; got {num_kv_heads}")
-    c = min(chunks, num_kv_heads)
-    weights = [1] + [2**i for i in range(c - 1)]
-    rest = num_kv_heads - c  # one head each first; the rest by weight, leftovers to the largest groups
-    extra = [rest * w // sum(weights) for w in weights]
-    for i in range(rest - sum(extra)):
-        extra[c - 1 - i % c] += 1
-    return tuple(1 + e for e in extra)
+
+def needed_rows_per_layer(plan: ExchangePlan, rank: int) -> tuple[int, int]:
+    """(forward, backward) rows `rank` receives per layer when every rank receives exactly its needed
+    keys: its needed foreign rows, then the gradients of the rows it sent."""
+    return plan.recv_rows(rank), plan.send_rows(rank)

@@ -2,7 +2,7 @@
 step that every CP rank calls (`make_cp_blockdiag_batch_and_ctx`).
 
     full pack --shard_batch--> local batch + layout + fingerprint      (pure, step.shard)
-      --choose the exchange--> build_step: rank plan, routes, device plan --> CPStep
+      --choose the exchange (its record)--> build_step: rank plan, routes, device plan --> CPStep
       --agree (one all-reduce: errors, fingerprint, exchange)--> kernel.prepare(step)
       --> (step.activate, local batch, layout)
 """
@@ -10,6 +10,7 @@ step that every CP rank calls (`make_cp_blockdiag_batch_and_ctx`).
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,16 +21,12 @@ from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
     DEFAULT_KERNEL_COST,
-    EXCHANGE_KINDS,
-    NEEDED_ONLY,
     ExchangePlan,
     KernelCost,
     Layout,
     choose_exchange,
-    needed_rank_plan,
+    get_exchange,
     plan_exchange,
-    plan_rank,
-    rank_routes,
     validate_rank_plan,
 )
 from .shard import SHARD_KEY, PackFingerprint, shard_batch
@@ -44,28 +41,19 @@ def build_step(
     attn_backend: str,
     kv_exchange: str,
     exchange_plan: ExchangePlan | None = None,
-    kv_chunks: int = 1,
 ) -> CPStep:
-    """The step object of rank `rank` for `layout`: its attention plan (validated on the host,
-    then moved to `device` once), and for the needed-only exchanges its routes.
+    """The step object of rank `rank` for `layout`: its attention plan over the rows the exchange
+    returns (validated on the host, then moved to `device` once) and the exchange's routes.
 
-    `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the exchange this step
-    runs (`allgather`, `halo` or `a2a`, as agreed by the group) in `kv_chunks` KV-head groups.
-    Pure but for the device copies.
+    `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the registered exchange
+    this step runs (as agreed by the group); `exchange_plan` is planned here if the exchange
+    needs one and none is given. Pure but for the device copies.
     """
-    routes = None
-    if kv_exchange in NEEDED_ONLY:
-        # The exchange returns the needed keys once each, in pack order; the plan's key_rows index them.
-        exchange_plan = exchange_plan if exchange_plan is not None else plan_exchange(layout)
-        rank_plan = needed_rank_plan(layout, exchange_plan, rank)
-        routes = rank_routes(layout, exchange_plan, rank)
-        rows = routes.key_positions  # the exchange's output rows
-        routes = routes.to(device)
-    elif kv_exchange == "allgather":
-        rank_plan = plan_rank(layout, rank)
-        rows = layout.slot_positions.reshape(-1)  # all-gather output rows, in slot order
-    else:
-        raise ValueError(f"kv_exchange must be one of {', '.join(EXCHANGE_KINDS)} when a step is built; got {kv_exchange!r}")
+    record = get_exchange(kv_exchange)
+    if record.needs_plan and exchange_plan is None:
+        exchange_plan = plan_exchange(layout)
+    mine = record.plan(layout, exchange_plan, rank)
+    rank_plan, rows = mine.rank_plan, mine.row_positions
     # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
     validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
     boundaries = layout.segments.boundaries
@@ -80,10 +68,9 @@ def build_step(
         ),
         attn_backend=attn_backend,
         kv_exchange=kv_exchange,
-        kv_chunks=kv_chunks,
         model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
         exchange_plan=exchange_plan,
-        kv_routes=routes,
+        kv_routes=None if mine.routes is None else mine.routes.to(device),
     )
 
 
@@ -107,36 +94,44 @@ def layout_options(config: CPConfig) -> dict:
     return {"strategy": config.layout, "tolerance": config.balance_tolerance, "kernel_cost": layout_kernel_cost(config)}
 
 
+def exchange_id(name: str) -> int:
+    """A number for an exchange name that every process computes alike (unlike `hash`), for the consensus."""
+    return zlib.crc32(name.encode())
+
+
 @dataclass(frozen=True)
 class StepAgreement:
     """What the ranks of one CP group compare before the first collective of a step (I5)."""
 
     pack: PackFingerprint
-    kv_exchange: int  # index in EXCHANGE_KINDS
-    kv_chunks: int  # every rank must run as many collectives per layer
+    kv_exchange: int  # exchange_id of the exchange this rank would run
 
     def values(self) -> dict[str, int]:
         fields = {f"pack {name.replace('_', ' ')}": value for name, value in vars(self.pack).items()}
-        return {**fields, "kv exchange": self.kv_exchange, "kv chunks": self.kv_chunks}
+        return {**fields, "kv exchange": self.kv_exchange}
 
 
-def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary, strategy) -> dict:
-    """This rank's local batch: the pure shard step, or a batch a collator already sharded for this rank."""
+def step_exchange(config: CPConfig, layout: Layout, group) -> tuple[str, ExchangePlan | None]:
+    """The exchange this rank would run for `layout` (the consensus checks that every rank
+    agrees) and the exchange plan, if one was needed to choose or to run it."""
+    requested = config.kv_exchange
+    if requested != "auto" and not get_exchange(requested).needs_plan:
+        return requested, None
+    plan = plan_exchange(layout)
+    cross_node_ok = requested != "auto" or config.allow_cross_node_a2a or not group_spans_nodes(group)
+    return choose_exchange(requested, plan, cross_node_ok), plan
+
+
+def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary) -> dict:
+    """This rank's local batch: the pure shard step, or a batch a collator already sharded for this
+    rank (which keeps the layout it was sharded with)."""
     if SHARD_KEY not in batch:
-        options = layout_options(config)
-        if strategy is not None:
-            options["strategy"] = strategy
-        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **options)
+        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **layout_options(config))
     info = batch[SHARD_KEY]
     if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
         raise ValueError(
             f"batch was sharded for CP rank {info.cp_rank} of {info.cp_size}, but this process is rank "
             f"{cp.rank} of {cp.size} in cp_mesh"
-        )
-    if strategy is not None and info.layout.strategy != strategy:
-        raise ValueError(
-            f"strategy={strategy!r}, but the batch was already sharded with strategy={info.layout.strategy!r}; "
-            "pass the strategy to the collator / shard_batch instead"
         )
     return dict(batch)
 
@@ -148,7 +143,6 @@ def make_cp_blockdiag_batch_and_ctx(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
-    strategy: str | None = None,
     *,
     config: CPConfig | None = None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
@@ -158,10 +152,9 @@ def make_cp_blockdiag_batch_and_ctx(
     `shard_batch` for its own rank). Returns `(train_ctx, local_batch, layout)`: run
     `model(**local_batch)` and its backward inside `with train_ctx():` (`train_ctx` is the
     step object's `activate`). `config` (default: the process default, `configure_cp`) picks
-    kernel, exchange and layout; `strategy` overrides the layout, and a pre-sharded batch
-    keeps its own layout (an explicit `strategy` that differs from it raises). `tp_mesh` is
-    accepted and unused: tensor parallelism splits heads, which block-diagonal CP leaves
-    alone, so a TP group needs nothing from this step.
+    kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with.
+    `tp_mesh` is accepted and unused: tensor parallelism splits heads, which block-diagonal CP
+    leaves alone, so a TP group needs nothing from this step.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
     exchange choices) make every rank raise after one consensus all-reduce, never a hang.
@@ -176,35 +169,29 @@ def make_cp_blockdiag_batch_and_ctx(
     local = step = None
     agreement_values: dict[str, int] = {}
     try:
-        local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary, strategy)
+        local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary)
         info = local[SHARD_KEY]
-        exchange, exchange_plan = "allgather", None
-        if config.kv_exchange != "allgather":
-            exchange_plan = plan_exchange(info.layout)
-            needed_only_ok = config.allow_cross_node_a2a or not group_spans_nodes(cp.group)
-            exchange = choose_exchange(config.kv_exchange, exchange_plan, needed_only_ok)
+        exchange, exchange_plan = step_exchange(config, info.layout, cp.group)
         # The exchange is agreed too: ranks that would run different collectives raise (I5).
-        agreement_values = StepAgreement(info.fingerprint, EXCHANGE_KINDS.index(exchange), config.kv_chunks).values()
+        agreement_values = StepAgreement(info.fingerprint, exchange_id(exchange)).values()
         # Built (and its plan validated) before the consensus: a bad plan on one rank makes every
         # rank raise below instead of leaving peers in the first exchange (I5).
         step = build_step(
-            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan,
-            config.kv_chunks,
+            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan
         )
     except (ValueError, TypeError, AssertionError) as exc:
         error = exc
     if not agreement_values:  # this rank failed before it had a fingerprint: zeros, flagged as failed
-        agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0, 0).values()
+        agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0).values()
     agreement = agree(cp.group, error is not None, agreement_values)
     if error is not None:
         raise error
     if agreement.any_failed:
         raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
     differing = agreement.disagreeing()
-    if differing and set(differing) <= {"kv exchange", "kv chunks"}:
+    if differing == ["kv exchange"]:
         raise RuntimeError(
-            f"blockdiag_cp: the ranks of one CP group chose different {' and '.join(d.replace(' ', '_') for d in differing)} "
-            "for the same pack; "
+            "blockdiag_cp: the ranks of one CP group chose different kv_exchange for the same pack; "
             "pass the same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
         )
     if differing:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..comm.exchange import ExchangeMeter
-from ..planning import ExchangePlan, Layout, RankPlan, RankRoutes, key_row_levels
+from ..planning import ExchangePlan, Layout, RankPlan, key_row_levels
 
 STEP_KWARG = "blockdiag_cp_step"
 
@@ -129,12 +129,11 @@ class CPStep:
     plan: DevicePlan
     attn_backend: str  # canonical kernel name (or "auto", resolved per layer) configured for this step
     kv_exchange: str  # canonical exchange name agreed for this step
-    kv_chunks: int  # KV-head groups each layer's exchange is pipelined in (agreed; see planning.head_groups)
     model_state: BlockdiagCpModelState
     attention_calls: int = 0
     mask_cache: dict = field(default_factory=dict, repr=False)
-    exchange_plan: ExchangePlan | None = None  # needed keys and traffic of every rank (see exchange_plan)
-    kv_routes: RankRoutes | None = None  # this rank's halo / a2a tables on the device (None for allgather)
+    exchange_plan: ExchangePlan | None = None  # needed keys and traffic of every rank (None: not planned)
+    kv_routes: Any = None  # the exchange's tables for this rank on the device (`RankExchange.routes`)
     exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
 
     @contextlib.contextmanager

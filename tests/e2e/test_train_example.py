@@ -1,14 +1,17 @@
-"""The main job end to end: `accelerate launch --cpu --num_processes 2 examples/train_packed.py` (cp=2)
+"""The main job end to end: `torchrun --standalone --nproc-per-node 2 examples/train_packed.py` (cp=2)
 logs the same per-step losses as one process, and both equal an independent reference: the
 stock eager model run on every document of the step's packs separately, updated by plain
-SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). The pure parts (the
-launcher command-line parsing and the embedded corpus) are in unit/test_launcher_and_corpus.py."""
+SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). Both example scripts
+reject a bad argument, or a one-process `accelerate launch` of a multi-process CPU run, with one
+line in every worker before any collective. The pure parts (the launch environment and the
+embedded corpus) are in unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -85,18 +88,18 @@ def reference_losses(steps: int) -> list[float]:
 def test_cp2_run_matches_one_process_and_reference(tmp_path):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     one = _start([sys.executable, str(EXAMPLE), *ARGS, "--output-dir", str(one_dir)], tmp_path / "one.log")
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     two = _start([*launch, str(EXAMPLE), *ARGS, "--output-dir", str(two_dir)], tmp_path / "two.log")
     try:
         reference = reference_losses(STEPS)
     finally:
         _finish(one, tmp_path / "one.log", "1-process run")
-        _finish(two, tmp_path / "two.log", "accelerate launch --cpu --num_processes 2")
+        _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
 
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], single["dp_size"]) == (1, 1)
-    assert (cp2["cp_size"], cp2["dp_size"], cp2["world_size"]) == (2, 1, 2), "accelerate launch did not start 2 CP ranks"
+    assert (cp2["cp_size"], cp2["dp_size"], cp2["world_size"]) == (2, 1, 2), "torchrun did not start 2 CP ranks"
     assert len(single["losses"]) == len(cp2["losses"]) == STEPS
     assert cp2["tokens_per_second"] > 0 and 0 < cp2["packing_efficiency"] <= 1
     assert (two_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -105,16 +108,53 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path):
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
+    return (run.stdout + run.stderr).strip().splitlines()
+
+
+@pytest.mark.parametrize(
+    "script, rank, args, expected",
+    [
+        ("train_packed.py", 0, ["--max-tokens", "1001"], "--max-tokens=1001 must be a multiple of 2*cp=4"),
+        ("trainer_packed.py", 1, ["--max-tokens", "1001"], "--max-tokens=1001 must be a multiple of 2*cp=4"),
+        ("train_packed.py", 1, ["--cp-size", "1", "--packs-per-step", "3"],
+         "--packs-per-step=3 must be divisible by dp=2 (processes 2 / cp 1)"),
+        ("trainer_packed.py", 0, ["--cp-size", "3"], "--cp-size=3 must be a positive divisor of the number of processes (2)"),
+        ("train_packed.py", 0, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
+        ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
+    ],
+)
+def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):
+    """One rank of a 2-process world, started alone: had it reached the process group (or any
+    collective) it would wait for its missing peer until the timeout. It must instead exit 2 at
+    once, its output ending with the one-line reason and holding no traceback."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
+               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    lines = _output_lines(run)
+    assert run.returncode == 2, lines[-5:]
+    assert lines[-1].startswith(f"error: {expected}"), lines[-5:]
+    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in run.stderr, lines
+
+
 @pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])
-def test_bad_argument_ends_with_the_reason_before_any_worker(script):
-    """`accelerate launch --cpu --num_processes 2 <example> --max-tokens 1001`: the arguments are checked
-    before workers start, and the one-line reason is the last line of output, with a non-zero exit
-    (after accelerate's own CalledProcessError traceback)."""
+def test_one_process_accelerate_cpu_launch_names_torchrun(script):
+    """`accelerate launch --cpu --num_processes 2` without MPI starts the script once, without a
+    world size: the script must stop with the torchrun command to use instead, not train alone."""
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--max-tokens", "1001"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    lines = (run.stdout + run.stderr).strip().splitlines()
+    env.pop("WORLD_SIZE", None)
+    path = str(ROOT / "examples" / script)
+    run = subprocess.run([*launch, path, "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
+    errors = [line for line in _output_lines(run) if line.startswith("error:")]
     assert run.returncode != 0
-    assert lines[-1] == "error: --max-tokens=1001 must be a multiple of 2*cp=4", lines[-5:]
-    assert "torch.distributed.run" not in run.stdout + run.stderr  # no worker was launched
+    assert len(errors) == 1, _output_lines(run)[-10:]
+    assert f"`torchrun --standalone --nproc-per-node N {path} --steps 1`" in errors[0], errors

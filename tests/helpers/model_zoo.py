@@ -138,3 +138,57 @@ def vl_image_docs(seed: int = 5):
                          torch.randint(3, 90, (after,), generator=g)])
         docs.append((ids, (ids == IMAGE_TOKEN).int(), torch.randn(4, 12, generator=g)))
     return docs
+
+
+# --------------------------------------------------------------------------- gated delta-rule hybrids
+
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+HYBRID_KEY_HEADS = 12  # divisible by every G in 1-4
+
+
+def tiny_hybrid_config(family: str, **overrides):
+    """4 layers (2 gated delta-rule + 2 full attention), 12 key heads: Dk 4 != Dv 6, and 2 value
+    heads per key head (qwen3_5, qwen3_next) or 1 (qwen3_5_moe)."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    b = dict(
+        _BASE, num_hidden_layers=4, layer_types=HYBRID_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=4,
+        linear_value_head_dim=6, linear_num_key_heads=HYBRID_KEY_HEADS, linear_num_value_heads=2 * HYBRID_KEY_HEADS,
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "qwen3_5":
+        config = Qwen3_5TextConfig(**b)
+    elif family == "qwen3_next":
+        config = Qwen3NextConfig(**b, **moe)
+    elif family == "qwen3_5_moe":
+        b.pop("intermediate_size")
+        config = Qwen3_5MoeTextConfig(**dict(b, linear_num_value_heads=HYBRID_KEY_HEADS), **moe)
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build_hybrid_pair(family: str, seed: int = 0, **overrides):
+    """(stock eager model, blockdiag_cp model with the gated delta-rule patch) with identical weights."""
+    torch.manual_seed(seed)
+    ref = AutoModelForCausalLM.from_config(tiny_hybrid_config(family, **overrides), attn_implementation="eager", dtype=torch.float32)
+    ref.train()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(bdcp.ATTN_IMPLEMENTATION)
+    model_patches.apply_model_patches(model)
+    return ref, model
+
+
+def tiny_hybrid_vl_model():
+    """A tiny Qwen3.5 vision-language model (text stack as `tiny_hybrid_config("qwen3_5")`) under blockdiag_cp."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = tiny_hybrid_config("qwen3_5").to_dict()
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.25}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, temporal_patch_size=1,
+                  spatial_merge_size=1, in_channels=3, out_hidden_size=32)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
+    return Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation=bdcp.ATTN_IMPLEMENTATION)

@@ -1,11 +1,15 @@
 """The dense parity case shared by the parity tests (exactness, invariants I1 and I2 in
 docs/design.md): loss and every gradient under CP against the stock model run on each
-document separately, fp32, with and without activation checkpointing."""
+document separately, fp32, with and without activation checkpointing; and the metered step of
+the exchange tests (the bytes a step moved against its exchange record)."""
 
 from __future__ import annotations
 
+import torch
+
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import PAIR_COUNT  # permuted layouts even for packs shorter than a tile
+from hf_blockdiag_cp.planning import get_exchange, kv_row_bytes, plan_exchange
 from helpers.packs import make_pack
 from helpers.reference import build_models, compare_with_reference, reference_loss_and_grads
 
@@ -14,11 +18,10 @@ FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
 
 
 def parity_case(
-    rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", strategy="contiguous",
-    kv_chunks=bdcp.CPConfig.kv_chunks,
+    rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", layout_strategy="contiguous"
 ):
     """For every family and with/without activation checkpointing: the worst relative error."""
-    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, kernel_cost=PAIR_COUNT, kv_chunks=kv_chunks)
+    config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, layout=layout_strategy, kernel_cost=PAIR_COUNT)
     worst = {}
     for family, overrides in families:
         for checkpointing in (False, True):
@@ -27,7 +30,7 @@ def parity_case(
             ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
             if checkpointing:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy, config=config)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
             with train_ctx():
                 loss = model(**local).loss
                 loss.backward()
@@ -35,3 +38,22 @@ def parity_case(
             name = max(errors, key=errors.get)
             worst[f"{family}{'+ac' if checkpointing else ''}"] = (errors[name], name, errors["loss"])
     return worst
+
+
+def exchange_step_case(rank, world_size, group, layout, exchange):
+    """The exchange the step runs, and the K/V bytes it moved in one llama fwd+bwd with
+    checkpointing, against its record's plan (forward twice: once more in recompute)."""
+    _, model = build_models("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _, batch = make_pack(layout, world_size)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
+    step = local["blockdiag_cp_step"]
+    with train_ctx():
+        model(**local).loss.backward()
+    cfg = model.config
+    row_bytes = kv_row_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
+    layers = cfg.num_hidden_layers
+    plan = get_exchange(step.kv_exchange).bytes_per_layer(plan_exchange(step.layout), rank, row_bytes)
+    meter = step.exchange_bytes
+    return step.kv_exchange, (meter.forward_bytes, meter.backward_bytes), (2 * layers * plan.forward, layers * plan.backward)

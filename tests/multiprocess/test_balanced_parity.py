@@ -10,8 +10,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.step import STEP_KWARG, document_ids_of
-from hf_blockdiag_cp.planning import plan_exchange
-from hf_blockdiag_cp.planning import PAIR_COUNT, plan_layout
+from hf_blockdiag_cp.planning import PAIR_COUNT, choose_exchange, exchange_names, plan_exchange, plan_layout
 from helpers.packs import make_pack
 from helpers.parity import FAMILIES, TOL, parity_case
 
@@ -19,7 +18,6 @@ from helpers.parity import FAMILIES, TOL, parity_case
 # padding_rank: the contiguous layout's last rank holds only padding.
 PACKS = ("span_all", "straddle", "padding_rank")
 PACKS_BY_WORLD_SIZE = {2: ("span_all", "straddle"), 3: ("span_all", "straddle"), 4: ("span_all", "padding_rank")}
-EXCHANGES = ("allgather", "a2a", "halo")
 
 
 def balanced_and_contiguous(pack: str, world_size: int):
@@ -40,8 +38,8 @@ def test_balanced_layouts_are_really_permuted(world_size):
 def exchange_case(rank, world_size, group, pack, exchange):
     """The exchange a balanced step actually runs for a configured name (halo falls back when invalid)."""
     _, batch = make_pack(pack, world_size)
-    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, kernel_cost=PAIR_COUNT)
-    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy="balanced", config=config)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, layout="balanced", kernel_cost=PAIR_COUNT)
+    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     return local[STEP_KWARG].kv_exchange, layout.strategy
 
 
@@ -58,16 +56,16 @@ def families_for(pack: str, exchange: str):
 def test_balanced_parity(gloo, world_size):
     pool = gloo(world_size)
     for pack in PACKS_BY_WORLD_SIZE[world_size]:
-        halo_valid = plan_exchange(balanced_and_contiguous(pack, world_size)[0]).halo_valid
-        for exchange in EXCHANGES:
+        plan = plan_exchange(balanced_and_contiguous(pack, world_size)[0])
+        for exchange in exchange_names():
             ran = pool.run(exchange_case, pack=pack, exchange=exchange)
-            # Explicit halo on a layout it cannot serve runs a2a (exchange_plan.choose_exchange).
-            expected = exchange if exchange != "halo" or halo_valid else "a2a"
+            # A named exchange that cannot serve the layout runs its fallback (halo: a2a).
+            expected = choose_exchange(exchange, plan)
             assert all(r == (expected, "balanced") for r in ran), (pack, exchange, ran)
-            if exchange == "halo" and not halo_valid:
-                continue  # the a2a step just ran above
+            if expected != exchange:
+                continue  # the fallback's step just ran above, and has its own parity case
             results = pool.run(
-                parity_case, layout=pack, families=families_for(pack, exchange), exchange=exchange, strategy="balanced"
+                parity_case, layout=pack, families=families_for(pack, exchange), exchange=exchange, layout_strategy="balanced"
             )
             for rank, worst in enumerate(results):
                 for variant, (err, name, loss_err) in worst.items():

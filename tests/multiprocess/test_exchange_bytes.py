@@ -1,6 +1,6 @@
 """The real K/V exchanges on gloo (world sizes 2-4; contiguous, balanced and head-tail
-layouts): every exchange moves exactly the rows, gradients and bytes its plan says (I5,
-docs/design.md); the plans themselves are checked against brute force in
+layouts): every registered exchange moves exactly the rows, gradients and bytes its record's
+plan says (I5, docs/design.md); the plans themselves are checked against brute force in
 unit/test_exchange_plan.py."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from hf_blockdiag_cp.comm import ExchangeMeter, exchange_kv
-from hf_blockdiag_cp.planning import EXCHANGE_KINDS, kv_row_bytes, plan_exchange, rank_routes
-from hf_blockdiag_cp.planning.segments import expand
+from hf_blockdiag_cp.planning import exchange_names, exchange_records, kv_row_bytes, plan_exchange
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids
 
 # Un-repeated GQA heads and unequal head dims: the MLA-like case (docs/kernels.md, "K/V exchanges").
@@ -82,19 +81,21 @@ def exchange_bytes_case(rank, world_size, group):
         k_all = torch.randn(s_pad, HKV, DK, generator=gen, dtype=torch.float64)
         v_all = torch.randn(s_pad, HKV, DV, generator=gen, dtype=torch.float64)
         mine = layout.slot_positions[rank]
-        routes = rank_routes(layout, plan, rank)
-        for name in EXCHANGE_KINDS:
-            if name == "halo" and not plan.halo_valid:
+        for record in exchange_records():
+            if record.reason(plan) is not None:
                 continue
+            # every rank's rows: the gradient of a row sums what each receiver's weights make of it
+            received = [record.plan(layout, plan, r).row_positions for r in range(world_size)]
+            routes = record.plan(layout, plan, rank).routes
             k = k_all[mine].float().requires_grad_()
             v = v_all[mine].float().requires_grad_()
             meter = ExchangeMeter()
             with ByteCounter(rank) as counter:
-                out_k, out_v = exchange_kv(name, k, v, group, world_size, routes=routes, meter=meter)
+                out_k, out_v = exchange_kv(record.name, k, v, group, world_size, routes=routes, meter=meter)
                 fwd = counter.take()
                 # Row weights seeded by the receiving rank; laid out [D, H, K] so the incoming
                 # gradients have non-standard strides (gloo and strides: docs/kernels.md, "K/V exchanges").
-                rows = routes.key_positions if name != "allgather" else layout.slot_positions.reshape(-1)
+                rows = received[rank]
                 wk = _weights(rank, rows.numel(), DK).permute(2, 1, 0)
                 wv = _weights(rank, rows.numel(), DV, offset=1).permute(2, 1, 0)
                 loss = (out_k.permute(2, 1, 0) * wk).sum() + (out_v.permute(2, 1, 0) * wv).sum()
@@ -102,11 +103,11 @@ def exchange_bytes_case(rank, world_size, group):
                 bwd = counter.take()
             torch.testing.assert_close(out_k.double(), k_all[rows], rtol=0, atol=1e-6)
             torch.testing.assert_close(out_v.double(), v_all[rows], rtol=0, atol=1e-6)
-            gk, gv = _expected_grads(layout, plan, rank, world_size, name)
+            gk, gv = _expected_grads(layout, received, rank, world_size)
             torch.testing.assert_close(k.grad.double(), gk, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(v.grad.double(), gv, rtol=1e-5, atol=1e-5)
-            planned = plan.bytes_per_layer(name, rank, kv_row_bytes(HKV, DK, DV, 4))
-            report.append((kind, name, (fwd, bwd), (planned.forward, planned.backward), (meter.forward_bytes, meter.backward_bytes)))
+            planned = record.bytes_per_layer(plan, rank, kv_row_bytes(HKV, DK, DV, 4))
+            report.append((kind, record.name, (fwd, bwd), (planned.forward, planned.backward), (meter.forward_bytes, meter.backward_bytes)))
     return report
 
 
@@ -115,13 +116,13 @@ def _weights(receiver, rows, dim, offset=0):
     return torch.randn(rows, HKV, dim, generator=gen, dtype=torch.float64).float()
 
 
-def _expected_grads(layout, plan, rank, world_size, name):
+def _expected_grads(layout, received, rank, world_size):
     """d(sum over receivers of their weighted outputs) / d(this rank's rows), in float64."""
     s_pad = layout.padded_seq_len
     gk = torch.zeros(s_pad, HKV, DK, dtype=torch.float64)
     gv = torch.zeros(s_pad, HKV, DV, dtype=torch.float64)
     for receiver in range(world_size):
-        rows = layout.slot_positions.reshape(-1) if name == "allgather" else expand(plan.needed[receiver])
+        rows = received[receiver]
         gk.index_add_(0, rows, _weights(receiver, rows.numel(), DK).double())
         gv.index_add_(0, rows, _weights(receiver, rows.numel(), DV, offset=1).double())
     mine = layout.slot_positions[rank]
@@ -137,4 +138,4 @@ def test_exchanges_move_what_the_plan_says(gloo, world_size):
             seen.add(name)
             assert measured == planned, f"rank {rank} {kind} {name}: moved (fwd, bwd) {measured} bytes, plan {planned}"
             assert metered == planned, f"rank {rank} {kind} {name}: step meter {metered}, plan {planned}"
-    assert seen == set(EXCHANGE_KINDS)
+    assert seen == set(exchange_names())

@@ -1,22 +1,22 @@
-"""Exactness (I1, I2; docs/design.md) with the needed-only exchanges: `halo`, `a2a` and `auto` give
-the same loss and gradients as the stock model on each document separately, at world sizes 2-4,
-with and without activation checkpointing (the parity case of helpers/parity.py), including a
-document over three or more ranks (halo hands over to a2a) and a rank that holds only padding."""
+"""Exactness (I1, I2; docs/design.md) with every registered K/V exchange and `auto`: the same loss
+and gradients as the stock model on each document separately, at world sizes 2-4, with and
+without activation checkpointing (the parity case of helpers/parity.py), including a document
+over three or more ranks (halo hands over to a2a) and a rank that holds only padding; the bytes
+each step moves equal its record's plan; ranks that would run different exchanges raise."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.planning import kv_row_bytes
+from hf_blockdiag_cp.planning import choose_exchange, exchange_names, plan_exchange, plan_layout
+from hf_blockdiag_cp.step import document_ids_of
 from helpers.packs import make_pack
-from helpers.parity import TOL, parity_case
-from helpers.reference import build_models
+from helpers.parity import TOL, exchange_step_case, parity_case
 
 # (layout, world size) -> the exchange that `halo` and `auto` must run. span_all puts one
 # document on every rank: at G = 2 it spans two ranks (halo), from G = 3 on three or more (a2a).
-EXPECTED_NEEDED_ONLY = {
+EXPECTED_HALO_AND_AUTO = {
     ("span_all", 2): "halo",
     ("span_all", 3): "a2a",
     ("span_all", 4): "a2a",
@@ -27,23 +27,13 @@ EXPECTED_NEEDED_ONLY = {
 }
 
 
-def chosen_exchange_case(rank, world_size, group, layout, exchange):
-    """The exchange the step runs, and the K/V bytes it moved in one llama fwd+bwd with
-    checkpointing, against the plan (forward twice: once more in recompute)."""
-    _, model = build_models("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def expected_exchange(layout: str, world_size: int, exchange: str) -> str:
+    """What a step runs for a configured name: the table above for halo and auto, else the name's record's choice."""
+    if exchange in ("halo", "auto"):
+        return EXPECTED_HALO_AND_AUTO[(layout, world_size)]
     _, batch = make_pack(layout, world_size)
-    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
-    step = local["blockdiag_cp_step"]
-    with train_ctx():
-        model(**local).loss.backward()
-    cfg = model.config
-    row_bytes = kv_row_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
-    layers = cfg.num_hidden_layers
-    plan = step.exchange_plan.bytes_per_layer(step.kv_exchange, rank, row_bytes)
-    meter = step.exchange_bytes
-    return step.kv_exchange, (meter.forward_bytes, meter.backward_bytes), (2 * layers * plan.forward, layers * plan.backward)
+    ids = document_ids_of(batch, batch["input_ids"].shape[1])
+    return choose_exchange(exchange, plan_exchange(plan_layout(ids, world_size)))
 
 
 def _check(results):
@@ -53,13 +43,13 @@ def _check(results):
             assert loss_err <= TOL, f"rank {rank} {variant}: loss relative error {loss_err:.2e}"
 
 
-@pytest.mark.parametrize("exchange", ["halo", "a2a", "auto"])
+@pytest.mark.parametrize("exchange", ["auto", *exchange_names()])
 @pytest.mark.parametrize("layout", ["span_all", "padding_rank"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_needed_only_parity(gloo, world_size, layout, exchange):
+def test_exchange_parity(gloo, world_size, layout, exchange):
     pool = gloo(world_size)
-    chosen = pool.run(chosen_exchange_case, layout=layout, exchange=exchange)
-    want = "a2a" if exchange == "a2a" else EXPECTED_NEEDED_ONLY[(layout, world_size)]
+    chosen = pool.run(exchange_step_case, layout=layout, exchange=exchange)
+    want = expected_exchange(layout, world_size, exchange)
     for rank, (name, measured, planned) in enumerate(chosen):
         assert name == want, f"rank {rank}: kv_exchange={exchange!r} ran {name!r}, expected {want!r}"
         assert measured == planned, f"rank {rank}: exchanged bytes (fwd, bwd) {measured} != plan {planned}"
@@ -69,34 +59,18 @@ def test_needed_only_parity(gloo, world_size, layout, exchange):
 def test_halo_straddle_three_ranks(gloo):
     """Short documents straddling rank boundaries at G = 3: a real left halo (not only padding)."""
     pool = gloo(3)
-    chosen = pool.run(chosen_exchange_case, layout="straddle", exchange="halo")
+    chosen = pool.run(exchange_step_case, layout="straddle", exchange="halo")
     assert {c[0] for c in chosen} == {"halo"}
     assert any(c[1][0] > 0 for c in chosen), "the halo moved no rows; the layout no longer tests a halo"
     _check(pool.run(parity_case, layout="straddle", exchange="halo"))
 
 
-@pytest.mark.parametrize("kv_chunks", [1, 3])
-@pytest.mark.parametrize("exchange", ["allgather", "a2a", "halo"])
-def test_pipelined_exchange_parity(gloo, exchange, kv_chunks):
-    """Any number of KV-head groups gives the stock model's loss and gradients: 4 kv heads in
-    groups (4,) or (1, 1, 2), 8 query heads (GQA 2), at G = 3 with a document over every rank."""
+@pytest.mark.parametrize("exchange", exchange_names())
+def test_gqa_exchange_parity(gloo, exchange):
+    """Grouped K/V heads travel un-repeated: 4 kv heads, 8 query heads (GQA 2), at G = 3 with a
+    document over every rank."""
     families = (("llama", {"num_key_value_heads": 4, "num_attention_heads": 8}),)
-    _check(gloo(3).run(parity_case, layout="span_all", families=families, exchange=exchange, kv_chunks=kv_chunks))
-
-
-def chunk_disagreement_case(rank, world_size, group):
-    config = bdcp.CPConfig(attn_backend="dense", kv_chunks=1 if rank == 0 else 2)
-    try:
-        bdcp.make_cp_blockdiag_batch_and_ctx(group, None, make_pack("span_all", world_size)[1], config=config)
-    except RuntimeError as exc:
-        return str(exc)
-    return None
-
-
-def test_ranks_that_disagree_on_kv_chunks_raise(gloo):
-    """Different group counts would pair different collectives across ranks: refused before any."""
-    messages = gloo(2).run(chunk_disagreement_case)
-    assert all(m is not None and "different kv_chunks" in m for m in messages), messages
+    _check(gloo(3).run(parity_case, layout="span_all", families=families, exchange=exchange))
 
 
 def disagreeing_config_case(rank, world_size, group):

@@ -1,5 +1,5 @@
 """I5 under failure: one rank raises inside the attention kernel, after the layer's K/V exchange;
-every rank of the CP group must end with an error, none may hang.
+every rank of the CP group must end with an error, none may hang, for every registered exchange.
 
 What ends the peers is what ends them in production: a rank whose step raised exits, and a
 dead process closes its gloo sockets, so peers waiting for it in any later collective raise
@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp import kernels
+from hf_blockdiag_cp.planning import choose_exchange, exchange_names, plan_exchange, plan_layout
+from hf_blockdiag_cp.step import document_ids_of
 from helpers.packs import make_pack
 from helpers.reference import build_models
 
@@ -76,16 +78,27 @@ def fault_case(rank, world_size, group, exchange, layout, failing_rank):
     raise RuntimeError(f"[exchange {ran}] [subgroup released: {released}] {error}\n[second attempt] {refused_again}")
 
 
-@pytest.mark.parametrize(
-    "exchange, layout, failing_rank",
-    [
-        ("allgather", "span_all", 1),
-        ("a2a", "span_all", 1),
-        ("halo", "straddle", 2),  # only rank 1 talks to rank 2: the failure reaches rank 0 through rank 1
-    ],
-)
+WORLD_SIZE = 3
+
+
+def fault_cases():
+    """(exchange, layout, failing rank) per registered exchange: a document over every rank, or, for
+    an exchange that cannot serve that (halo), short documents across shard boundaries, where only
+    rank 1 talks to rank 2, so the failure reaches rank 0 through rank 1."""
+    cases = []
+    for name in exchange_names():
+        for layout, failing_rank in (("span_all", 1), ("straddle", 2)):
+            _, batch = make_pack(layout, WORLD_SIZE)
+            ids = document_ids_of(batch, batch["input_ids"].shape[1])
+            if choose_exchange(name, plan_exchange(plan_layout(ids, WORLD_SIZE))) == name:
+                cases.append((name, layout, failing_rank))
+                break
+    return cases
+
+
+@pytest.mark.parametrize("exchange, layout, failing_rank", fault_cases())
 def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank):
-    world_size = 3
+    world_size = WORLD_SIZE
     pool = gloo(world_size)
     results, errors = pool.run_collecting(
         fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank

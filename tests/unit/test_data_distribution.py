@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_blockdiag_cp.data import DocumentPiece, PackedBatchSampler, dp_cp_coordinates, packed_dataloader
+from hf_blockdiag_cp.comm import DPCPCoordinates
+from hf_blockdiag_cp.data import DocumentPiece, PackedBatchSampler, packed_dataloader
 from hf_blockdiag_cp.data.packing import PackingStats
 from helpers.data import random_lengths
 
@@ -16,16 +17,23 @@ def pack_key(pack) -> tuple:
 
 
 def test_dp_cp_coordinates_cp_fastest():
-    table = [dp_cp_coordinates(8, r, 2) for r in range(8)]
+    def place(world_size, rank, cp_size):
+        c = DPCPCoordinates(world_size, rank, cp_size)
+        return c.dp_size, c.dp_rank, c.cp_rank
+
+    table = [place(8, r, 2) for r in range(8)]
     assert table == [(4, r // 2, r % 2) for r in range(8)]
-    assert dp_cp_coordinates(6, 5, 3) == (2, 1, 2)
-    assert dp_cp_coordinates(4, 3, 1) == (4, 3, 0)
+    assert place(6, 5, 3) == (2, 1, 2)
+    assert place(4, 3, 1) == (4, 3, 0)
+    assert DPCPCoordinates(6, 5, 3).cp_group_ranks == [3, 4, 5]
     with pytest.raises(ValueError, match="world_size=6 must be divisible by cp_size=4"):
-        dp_cp_coordinates(6, 0, 4)
+        DPCPCoordinates(6, 0, 4)
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, world_size=4\)"):
-        dp_cp_coordinates(4, 4, 2)
+        DPCPCoordinates(4, 4, 2)
     with pytest.raises(ValueError, match="cp_size must be a positive integer"):
-        dp_cp_coordinates(4, 0, 0)
+        DPCPCoordinates(4, 0, 0)
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        DPCPCoordinates(0, 0, 1)
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 3, 4])
@@ -112,13 +120,15 @@ def test_sampler_invalid_arguments_name_the_field(kwargs, message):
         PackedBatchSampler([1, -2], 8)
 
 
-def test_explicit_strategy_must_match_a_presharded_batch():
-    """A batch sharded by the collator keeps its layout; asking for another one is an error (I7)."""
+def test_a_presharded_batch_keeps_its_layout():
+    """A batch sharded by the collator (or `shard_batch`) keeps the layout it was sharded with: the
+    step's config shards only full packs."""
     import hf_blockdiag_cp as bdcp
 
     full = bdcp.BlockdiagCPCollator(max_tokens=16)([{"input_ids": list(range(1, 10))}, {"input_ids": [3, 4, 5]}])
     local = bdcp.shard_batch(full, 1, 0, strategy="balanced")
-    _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local)
+    for config in (None, bdcp.CPConfig(layout="contiguous")):
+        _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, config=config)
+        assert layout.strategy == "balanced"
+    _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, full, config=bdcp.CPConfig(layout="balanced"))
     assert layout.strategy == "balanced"
-    with pytest.raises(ValueError, match="already sharded with strategy='balanced'"):
-        bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, strategy="contiguous")

@@ -1,6 +1,7 @@
-"""Needed-only exchange plans against brute force over the dense mask (hypothesis, G = 1-8,
-random packs with interior padding, contiguous / balanced / head-tail layouts, sliding
-windows). The real exchanges on gloo are in multiprocess/test_exchange_bytes.py."""
+"""Exchange plans against brute force over the dense mask (hypothesis, G = 1-8, random packs
+with interior padding, contiguous / balanced / head-tail layouts, sliding windows): the needed
+keys and traffic, every registered exchange's per-rank plan, the choice among the records, and
+the registry's spellings. The real exchanges on gloo are in multiprocess/test_exchange_bytes.py."""
 
 from __future__ import annotations
 
@@ -10,9 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.planning import EXCHANGE_KINDS, choose_exchange, needed_rank_plan, plan_exchange, rank_routes
-from hf_blockdiag_cp.planning import dense_allowed, head_groups, plan_layout, plan_rank
+from hf_blockdiag_cp.planning import (
+    ExchangeRecord,
+    choose_exchange,
+    dense_allowed,
+    exchange_names,
+    exchange_records,
+    get_exchange,
+    needed_rank_plan,
+    needed_rows_per_layer,
+    plan_exchange,
+    plan_layout,
+    plan_rank,
+    rank_routes,
+    register_exchange,
+    validate_rank_plan,
+)
 from hf_blockdiag_cp.planning.segments import expand
+from helpers.exchanges import registered_exchange
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
 
 
@@ -50,19 +66,21 @@ def test_needed_keys_equal_dense_mask(runs, cp_size, kind, window):
         for src in range(cp_size):
             expect = 0 if src == r else len(needed & held[src])
             assert int(plan.traffic[src, r]) == expect, (src, r)
-        # byte accounting from the same sets
-        assert plan.rows_per_layer("a2a", r) == (len(needed - held[r]), sum(len(positions_of(plan.needed[d]) & held[r]) for d in range(cp_size) if d != r))
-        assert plan.rows_per_layer("allgather", r) == ((cp_size - 1) * layout.local_len,) * 2
+        # row accounting from the same sets
+        sent = sum(len(positions_of(plan.needed[d]) & held[r]) for d in range(cp_size) if d != r)
+        assert needed_rows_per_layer(plan, r) == (len(needed - held[r]), sent)
+        assert get_exchange("allgather").rows_per_layer(plan, r) == ((cp_size - 1) * layout.local_len,) * 2
     # halo: every sender of a rank owns the position just before one of the rank's runs
     owner = {p: r for r in range(cp_size) for p in held[r]}
     halo_ok = all(
         any(owner.get(p - 1) == src for p in held[dst] if p - 1 not in held[dst])
         for dst in range(cp_size) for src in range(cp_size) if src != dst and int(plan.traffic[src, dst]) > 0
     )
-    assert plan.halo_valid == halo_ok
+    halo_valid = get_exchange("halo").reason(plan) is None
+    assert halo_valid == halo_ok
     if kind == "contiguous":  # the classic statement: no needed document spans more than two ranks
         local = layout.local_len
-        assert plan.halo_valid == all(min(positions_of(plan.needed[r])) >= max(r - 1, 0) * local for r in range(cp_size))
+        assert halo_valid == all(min(positions_of(plan.needed[r])) >= max(r - 1, 0) * local for r in range(cp_size))
 
 
 @settings(max_examples=100, deadline=None)
@@ -134,41 +152,113 @@ def test_routes_deliver_the_needed_rows(runs, cp_size, kind):
         out[rt.recv_out] = recv
         assert torch.equal(out, rt.key_positions)
         assert rt.key_positions.tolist() == sorted(positions_of(plan.needed[dst]))
-    chosen = choose_exchange("auto", plan)
-    assert chosen in EXCHANGE_KINDS
-    if chosen == "halo":
-        assert plan.halo_valid
-    if cp_size > 1:
-        assert plan.max_rows(chosen) <= plan.max_rows("allgather")
-        assert plan.max_rows("a2a") <= plan.max_rows("allgather")
-    assert choose_exchange("halo", plan) == ("halo" if plan.halo_valid else "a2a")
-    assert choose_exchange("auto", plan, needed_only_allowed=False) == "allgather"
+    check_choice(plan)
+
+
+def check_choice(plan):
+    """`auto` takes the cheapest record that serves the plan (ties: lowest priority); a named one
+    runs itself or its fallback; across nodes `auto` keeps off single-node exchanges."""
+    serving = [r for r in exchange_records() if r.auto_priority is not None and r.reason(plan) is None]
+    chosen = get_exchange(choose_exchange("auto", plan))
+    assert chosen in serving
+    cheapest = min(r.max_rows(plan) for r in serving)
+    assert chosen.max_rows(plan) == cheapest
+    assert chosen.auto_priority == min(r.auto_priority for r in serving if r.max_rows(plan) == cheapest)
+    across_nodes = get_exchange(choose_exchange("auto", plan, cross_node_ok=False))
+    assert not across_nodes.needs_single_node
+    for record in exchange_records():
+        ran = choose_exchange(record.name, plan)
+        assert ran == (record.name if record.reason(plan) is None else record.fallback)
+    # the shipped records: halo when valid, else a2a, and never more rows than the all-gather
+    assert choose_exchange("halo", plan) == ("halo" if get_exchange("halo").reason(plan) is None else "a2a")
+    assert chosen.max_rows(plan) <= get_exchange("allgather").max_rows(plan)
+    assert across_nodes.name == "allgather"
+
+
+@settings(max_examples=40, deadline=None)
+@given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS))
+def test_every_exchange_plans_exact_attention(runs, cp_size, kind):
+    """Every registered exchange's per-rank plan is valid over the rows it returns, and its real
+    queries see exactly the keys of `plan_rank` (the dense mask's): a new record is checked here."""
+    layout = make_layout(pack_ids(runs), cp_size, kind)
+    plan = plan_exchange(layout)
+    s_pad = layout.padded_seq_len
+    for record in exchange_records():
+        for r in range(cp_size):
+            mine = record.plan(layout, plan if record.needs_plan else None, r)
+            rank_plan, rows = mine.rank_plan, mine.row_positions
+            validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
+            keys = rows[slice(*rank_plan.key_rows)] if isinstance(rank_plan.key_rows, tuple) else rows[rank_plan.key_rows]
+            assert torch.equal(keys, rank_plan.k_positions), (record.name, r)
+            full = plan_rank(layout, r)
+            assert torch.equal(rank_plan.q_positions, full.q_positions)
+            real = layout.document_ids[full.q_positions] > 0
+            seen = [torch.zeros(full.q_positions.numel(), s_pad, dtype=torch.bool) for _ in range(2)]
+            for m, p in zip(seen, (full, rank_plan)):
+                m[:, p.k_positions] = dense_allowed(p.q_positions, p.q_segments, p.k_positions, p.k_segments, None)
+            assert torch.equal(seen[0][real], seen[1][real]), (record.name, r)
+            forward, backward = record.rows_per_layer(plan, r)
+            assert forward >= 0 and backward >= 0
 
 
 def test_plan_input_errors():
     layout = plan_layout(torch.tensor([1, 1, 2, 2, 2, 0]), 2)
     with pytest.raises(ValueError, match="sliding_window"):
         plan_exchange(layout, sliding_window=0)
-    with pytest.raises(ValueError, match="kv_exchange"):
+    with pytest.raises(ValueError, match="kv_exchange='ring' is not an exchange; available: allgather, halo, a2a"):
         choose_exchange("ring", plan_exchange(layout))
-    with pytest.raises(ValueError, match="exchange must be one of"):
-        plan_exchange(layout).rows_per_layer("ring", 0)
+    with pytest.raises(ValueError, match="kv_exchange='ring' is not an exchange"):
+        get_exchange("ring")
 
 
-@pytest.mark.parametrize("heads", [1, 2, 3, 5, 8, 16, 32, 64])
-@pytest.mark.parametrize("chunks", [1, 2, 3, 4, 8, 100])
-def test_head_groups_cover_every_head_growing(heads, chunks):
-    """The pipeline's KV-head groups: every head once, min(chunks, heads) groups, none empty, sizes
-    non-decreasing (the exposed first exchange is the smallest), the last at least a third of all."""
-    sizes = head_groups(heads, chunks)
-    assert sum(sizes) == heads and len(sizes) == min(chunks, heads)
-    assert all(s >= 1 for s in sizes) and list(sizes) == sorted(sizes)
+# --------------------------------------------------------------------------- the registry
 
 
-def test_head_groups_refuse_bad_counts():
-    with pytest.raises(ValueError, match="kv_chunks must be a positive integer"):
-        head_groups(8, 0)
-    with pytest.raises(ValueError, match="kv_chunks"):
-        head_groups(8, True)
-    with pytest.raises(ValueError, match="CPConfig|kv_chunks"):
-        bdcp.CPConfig(kv_chunks=0)
+def _toy(name: str, **fields) -> ExchangeRecord:
+    """A record that reuses a2a's plan and transport under another name."""
+    a2a = get_exchange("a2a")
+    return ExchangeRecord(name=name, plan=a2a.plan, rows_per_layer=a2a.rows_per_layer, transport=a2a.transport, **fields)
+
+
+def test_config_spellings_come_from_the_registry():
+    assert bdcp.CPConfig(kv_exchange="All-To-All").kv_exchange == "a2a"
+    assert bdcp.CPConfig(kv_exchange="LEFT_HALO").kv_exchange == "halo"
+    with pytest.raises(ValueError, match=r"accepted values: auto, allgather, halo, a2a \(synonyms: .*all_to_all_v"):
+        bdcp.CPConfig(kv_exchange="ring")
+    with pytest.raises(TypeError, match="kv_exchange must be a string"):
+        bdcp.CPConfig(kv_exchange=3)
+    with registered_exchange(_toy("ring", aliases=("ring-attention",))):
+        assert bdcp.CPConfig(kv_exchange="Ring_Attention").kv_exchange == "ring"
+        with pytest.raises(ValueError, match="accepted values: auto, allgather, halo, a2a, ring "):
+            bdcp.CPConfig(kv_exchange="zigzag")
+    assert exchange_names() == ("allgather", "halo", "a2a")
+    with pytest.raises(ValueError, match="kv_exchange='ring_attention' is not supported"):
+        bdcp.CPConfig(kv_exchange="ring_attention")
+
+
+def test_registry_refuses_ambiguous_records():
+    with pytest.raises(ValueError, match="the spelling 'all_to_all' already names 'a2a'"):
+        register_exchange(_toy("ring", aliases=("all-to-all",)))
+    with pytest.raises(ValueError, match="the spelling 'auto' already names the per-step choice"):
+        register_exchange(_toy("auto"))
+    with pytest.raises(ValueError, match="cannot fall back to itself"):
+        _toy("ring", fallback="ring")
+    with pytest.raises(ValueError, match="needs no plan must serve every layout"):
+        _toy("ring", needs_plan=False, unsupported_reason=lambda plan: "never")
+    assert exchange_names() == ("allgather", "halo", "a2a")
+
+
+def test_auto_iterates_the_records():
+    """A record with a better priority wins `auto`'s ties and never needs a named case in the chooser;
+    one that cannot serve the layout hands an explicit request to its fallback, or raises."""
+    layout = plan_layout(torch.tensor([1] * 7 + [2] * 5), 3)  # document 1 spans ranks 0-1, 2 spans 1-2
+    plan = plan_exchange(layout)
+    assert choose_exchange("auto", plan) == "halo"
+    with registered_exchange(_toy("eager", auto_priority=1)):
+        assert choose_exchange("auto", plan) == "eager"  # as cheap as halo, preferred
+    with registered_exchange(_toy("picky", unsupported_reason=lambda plan: "too picky", fallback="halo", auto_priority=1)):
+        assert choose_exchange("auto", plan) == "halo"
+        assert choose_exchange("picky", plan) == "halo"
+    with registered_exchange(_toy("stubborn", unsupported_reason=lambda plan: "never")):
+        with pytest.raises(ValueError, match="kv_exchange='stubborn' cannot serve this layout \\(stubborn: never\\)"):
+            choose_exchange("stubborn", plan)

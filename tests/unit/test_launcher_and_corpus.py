@@ -1,30 +1,51 @@
-"""The pure parts of the main job (examples/train_packed.py): the launcher command-line parsing
-(`requested_cpu_processes`) and the embedded corpus. The job itself runs end to end in
-e2e/test_train_example.py."""
+"""The pure parts of the main job (examples/train_packed.py): how a worker reads its launch from the
+environment (`launched_world_size`, `launch_error`) and the embedded corpus. The job itself, and
+real launches by torchrun and accelerate, run end to end in e2e/test_train_example.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from hf_blockdiag_cp.data import corpus
-from hf_blockdiag_cp.integrations.accelerate import requested_cpu_processes
+from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
+
+_LAUNCH_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU", "MASTER_ADDR")
+
+
+@pytest.fixture
+def bare_env(monkeypatch):
+    """An environment with none of the launchers' variables (as under plain `python script.py`)."""
+    for name in _LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
 
 
 @pytest.mark.parametrize(
-    "argv, expected",
+    "env, expected",
     [
-        (["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "train.py"], 4),
-        (["accelerate", "launch", "--num-processes=3", "--cpu", "train.py", "--steps", "2"], 3),
-        (["accelerate", "launch", "--cpu", "train.py"], None),
+        ({}, 1),
+        ({"WORLD_SIZE": "4", "PMI_SIZE": "8"}, 4),  # torchrun's variable wins
+        ({"OMPI_COMM_WORLD_SIZE": "3"}, 3),  # Open MPI (accelerate launch --mpirun_hostfile)
+        ({"PMI_SIZE": "6"}, 6),  # Intel MPI / MPICH
     ],
 )
-def test_requested_cpu_processes(argv, expected):
-    assert requested_cpu_processes(argv) == expected
+def test_launched_world_size(bare_env, env, expected):
+    for name, value in env.items():
+        bare_env.setenv(name, value)
+    assert launched_world_size() == expected
 
 
-def test_requested_cpu_processes_rejects_garbage():
-    with pytest.raises(ValueError, match="--num_processes must be an integer"):
-        requested_cpu_processes(["accelerate", "launch", "--num_processes", "two"])
+def test_launch_error_only_for_a_one_process_accelerate_launch(bare_env):
+    argv = ["examples/train_packed.py", "--steps", "2"]
+    assert launch_error(argv) is None  # plain python
+    bare_env.setenv("ACCELERATE_USE_CPU", "True")
+    assert launch_error(argv) is None  # accelerate launch --cpu of one process: no MASTER_ADDR
+    bare_env.setenv("MASTER_ADDR", "127.0.0.1")
+    reason = launch_error(argv)  # accelerate launch --cpu --num_processes 2: one process, no world size
+    assert "`torchrun --standalone --nproc-per-node N examples/train_packed.py --steps 2`" in reason
+    assert "\n" not in reason
+    bare_env.setenv("WORLD_SIZE", "2")
+    assert launch_error(argv) is None  # a worker of torchrun (what accelerate launch runs on GPUs)
 
 
 def test_corpus_is_lossless_deterministic_and_heavy_tailed():

@@ -19,7 +19,7 @@ BELOW = {
     "planning": set(),
     "comm": {"planning"},
     "kernels": {"planning"},
-    "config": {"planning", "kernels"},
+    "config": {"planning", "comm", "kernels"},
     "step": {"planning", "comm", "kernels", "config"},
     "attention": {"planning", "comm", "kernels", "step"},
     "model_patches": {"planning", "comm", "kernels", "config", "step", "attention"},

@@ -90,8 +90,10 @@ def test_balanced_small_packs_against_dense_mask(lengths, cp_size, extra_pad, mi
     assert_within_bound(cost.work, layout_cost(contiguous).work, layout)
     # a2a bytes: exactly the remote rows of the keys its real queries need.
     row_bytes = 8 * (128 + 128) * 2
-    assert cost.a2a_bytes == [n * row_bytes for n in reference_remote_rows(padded_ids(layout), layout.slot_positions.tolist())]
-    assert cost.allgather_bytes == [(cp_size - 1) * layout.local_len * row_bytes] * cp_size
+    bytes_ = cost.exchange_bytes
+    assert bytes_["a2a"] == [n * row_bytes for n in reference_remote_rows(padded_ids(layout), layout.slot_positions.tolist())]
+    assert bytes_["allgather"] == [(cp_size - 1) * layout.local_len * row_bytes] * cp_size
+    assert bytes_.get("halo", bytes_["a2a"]) == bytes_["a2a"]  # halo, where it serves the layout, moves a2a's rows
 
 
 @settings(max_examples=100, deadline=None)

@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.planning import needed_rank_plan, plan_exchange
+from hf_blockdiag_cp.planning import exchange_names, get_exchange, needed_rank_plan, plan_exchange
 from hf_blockdiag_cp.planning import plan_layout, plan_rank, validate_rank_plan
 from hf_blockdiag_cp.step import DevicePlan, build_step
+from helpers.exchanges import registered_exchange
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
 
 CPU = torch.device("cpu")
@@ -35,7 +36,7 @@ def test_every_planned_rank_plan_passes(runs, cp_size, kind, window):
 
 
 @pytest.mark.parametrize("strategy", ["contiguous", "balanced"])
-@pytest.mark.parametrize("exchange", ["allgather", "halo", "a2a"])
+@pytest.mark.parametrize("exchange", exchange_names())
 def test_cp_step_builds_validated_plans(strategy, exchange):
     layout = plan_layout([5, 40, 3, 9, 1, 22], 4, strategy)
     for rank in range(4):
@@ -140,13 +141,19 @@ def test_cuda_offsets_are_refused_on_the_host():
         _validate(meta, layout)
 
 
-def test_cp_step_refuses_a_bad_plan(monkeypatch):
-    layout, plan = _plan()
-    import hf_blockdiag_cp.step.build as build
+@pytest.mark.parametrize("exchange", exchange_names())
+def test_cp_step_refuses_a_bad_plan(exchange):
+    """Whatever an exchange record plans is validated before the step exists."""
+    layout, _ = _plan()
+    record = get_exchange(exchange)
 
-    monkeypatch.setattr(build, "plan_rank", lambda layout, rank: _corrupt(plan, max_seqlen_k=plan.max_seqlen_k + 1))
-    with pytest.raises(ValueError, match="max_seqlen_k"):
-        build_step(layout, 1, None, CPU, "dense", "allgather")
+    def corrupted(layout, exchange_plan, rank):
+        mine = record.plan(layout, exchange_plan, rank)
+        return dataclasses.replace(mine, rank_plan=_corrupt(mine.rank_plan, max_seqlen_k=mine.rank_plan.max_seqlen_k + 1))
+
+    with registered_exchange(dataclasses.replace(record, plan=corrupted)):
+        with pytest.raises(ValueError, match="max_seqlen_k"):
+            build_step(layout, 1, None, CPU, "dense", exchange)
 
 
 def test_device_plan_checks_the_moved_offsets():

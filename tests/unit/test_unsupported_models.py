@@ -31,10 +31,6 @@ _HYBRIDS = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, mamba_d_state=4, mamba_dt_rank=4),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, head_dim=8),
-    "qwen3_next": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       shared_expert_intermediate_size=16, linear_num_value_heads=2, linear_num_key_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8, head_dim=8,
-                       layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_experts=2, num_experts_per_tok=1,
                      moe_intermediate_size=16, num_dense_layers=1),
 }

@@ -1,0 +1,27 @@
+"""`a2a`: exactly the keys each rank needs, by one all-to-all-v (`all_to_all_single` with split
+sizes); backward is the reverse all-to-all-v of their gradients. Serves every layout."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ...planning.exchange_plan import needed_rows_per_layer, plan_needed_rows
+from ...planning.exchange_registry import ExchangeRecord, register_exchange
+from ..exchange import routed_transport
+
+
+def all_to_all_v(recv, recv_counts, send, send_counts, group) -> None:
+    dist.all_to_all_single(recv, send, output_split_sizes=list(recv_counts), input_split_sizes=list(send_counts), group=group)
+
+
+A2A = register_exchange(
+    ExchangeRecord(
+        name="a2a",
+        aliases=("alltoall", "all_to_all", "all_to_all_v", "alltoallv"),
+        plan=plan_needed_rows,
+        rows_per_layer=needed_rows_per_layer,
+        transport=routed_transport("a2a", all_to_all_v),
+        needs_single_node=True,
+        auto_priority=20,
+    )
+)

@@ -1,0 +1,144 @@
+"""Sharded evaluation and prediction for the BlockdiagCP Trainer.
+
+The eval documents are packed by the same packing code as training (nothing dropped: the last
+partial pack is padded; packs that only fill the DP replicas' last round weigh 0), and every pack
+runs through the shard step under CP, forward only, each rank holding 1/G of it. `eval_loss` is
+the token-weighted mean over every predicted eval token (the training loss's definition), i.e.
+the stock model's loss on each document unpacked.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...comm import resolve_cp_group
+from ...comm.exchange import all_gather_single
+from ...step import IGNORE_INDEX, make_cp_blockdiag_batch_and_ctx
+from .setup import sum_over_world, world_group
+
+
+def _in_pack_order(rows: torch.Tensor, layout, cp) -> torch.Tensor:
+    """This rank's rows `[L, ...]` of a pack, gathered over the CP group into pack order `[S, ...]` (CPU)."""
+    if cp.group is not None:
+        gathered = rows.new_empty((cp.size * rows.shape[0],) + tuple(rows.shape[1:]))
+        all_gather_single(gathered, rows.contiguous(), cp.group)
+        rows = gathered  # slot order: rank-major, as layout.slot_positions
+    full = rows.new_empty((layout.padded_seq_len,) + tuple(rows.shape[1:]))
+    full[layout.slot_positions.reshape(-1).to(rows.device)] = rows
+    return full[: layout.original_seq_len].cpu()
+
+
+def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix: str) -> dict[str, float]:
+    """Token-weighted loss over every rank's targets (one SUM all-reduce of the per-rank totals)."""
+    loss_sum, targets, tokens = sum_over_world(totals, world_size).tolist()
+    return {
+        f"{prefix}_loss": loss_sum / targets if targets else math.nan,
+        f"{prefix}_tokens": int(tokens),
+        f"{prefix}_runtime": round(runtime, 4),
+        f"{prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
+    }
+
+
+class ShardedEvaluationMixin:
+    """`get_eval_dataloader`, `evaluate` and `predict` of `BlockdiagCPTrainerMixin` (which mixes this in).
+
+    Relies on the Trainer mixin's `_packed_loader`, `_local_batch`, `cp_coordinates`, `cp_mesh`,
+    `packing` and `cp_config`.
+    """
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Eval packs for this rank, already sharded: the eval documents in order, nothing dropped."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        return self._packed_loader(dataset, shuffle=False, drop_last=False)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sharded evaluation: `{prefix}_loss` is the token-weighted mean loss over every eval target."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if not self.args.prediction_loss_only and self.compute_metrics is not None:
+            raise ValueError(
+                "compute_metrics is not supported by the BlockdiagCP Trainer's sharded evaluation (each rank holds "
+                "1/cp_size of every pack); evaluate gives the token-weighted eval loss"
+            )
+        started = time.time()
+        totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
+        for pack in self._sharded_forward(dataset, with_logits=False):
+            totals += torch.tensor(pack["totals"], dtype=torch.float64)
+        metrics = _loss_metrics(totals, self.cp_coordinates.world_size, time.time() - started, metric_key_prefix)
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """Sharded prediction: per-token logits of every pack, gathered over the CP group in pack order.
+
+        Returns `PredictionOutput(predictions [P, S, V], label_ids [P, S], metrics)` on every rank, P
+        the packs of the whole dataset in epoch order (S = max_tokens): `label_ids[p, i]` is the token
+        that logit row i predicts (-100: no target, e.g. a document's last token or padding).
+        """
+        import numpy as np
+        from transformers.trainer_utils import PredictionOutput
+
+        c = self.cp_coordinates
+        started = time.time()
+        totals = torch.zeros(3, dtype=torch.float64)
+        mine = []
+        for pack in self._sharded_forward(test_dataset, with_logits=True):
+            totals += torch.tensor(pack["totals"], dtype=torch.float64)
+            if pack["index"] is not None:
+                mine.append((pack["index"], pack["logits"], pack["labels"]))
+        metrics = _loss_metrics(totals, c.world_size, time.time() - started, metric_key_prefix)
+        group = world_group(c.world_size)
+        if group is not None:  # every replica's packs to every rank (CP peers hold the same: rank 0 sends)
+            everyone: list = [None] * c.world_size
+            dist.all_gather_object(everyone, mine if c.cp_rank == 0 else [], group=group)
+            mine = [item for part in everyone for item in part]
+        mine.sort(key=lambda item: item[0])
+        predictions = np.stack([logits.numpy() for _, logits, _ in mine])
+        label_ids = np.stack([labels.numpy() for _, _, labels in mine])
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def _sharded_forward(self, dataset, with_logits: bool):
+        """Forward only, every pack of `dataset` through the shard step under CP. Yields per pack this
+        rank's `totals` (token-loss sum, targets, real tokens; zeros for packs that only fill the DP
+        replicas' last round), and with `with_logits` the pack's logits and shifted labels in pack
+        order (gathered over the CP group) and its index in the epoch (None for a fill pack)."""
+        loader = self.get_eval_dataloader(dataset)
+        sampler = loader.batch_sampler
+        repeats = sampler.replica_repeats()
+        cp = resolve_cp_group(self.cp_mesh)
+        model = self.model  # not the DDP wrapper: forward only; an FSDP2 module is its own wrapper
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for j, (batch, repeat) in enumerate(zip(loader, repeats)):
+                    inputs = self._prepare_inputs(self._local_batch(batch))
+                    train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
+                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+                    )
+                    local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
+                    with train_ctx():
+                        out = model(**local)
+                    targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
+                    pack = {"totals": [0.0, 0, 0] if repeat else
+                            [float(out.loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())]}
+                    if with_logits:
+                        pack["index"] = None if repeat else j * sampler.dp_size + sampler.dp_rank
+                        pack["logits"] = _in_pack_order(out.logits[0].float(), layout, cp)
+                        pack["labels"] = _in_pack_order(local["shift_labels"][0], layout, cp)
+                    yield pack
+        finally:
+            model.train(was_training)

@@ -1,0 +1,226 @@
+"""`BlockdiagCPTrainerMixin`: packed data per DP replica, one CP shard step per micro-batch.
+
+Why a Trainer subclass and not only a callback: callbacks run after the dataloader is built,
+so they cannot replace the collator or the sampler, and they cannot wrap forward *and*
+backward in the step context. The mixin therefore owns these Trainer hooks:
+
+- `get_train_dataloader`: `packed_dataloader` with this rank's (dp, cp) coordinates, so CP
+  peers get the same pack and DP replicas different ones (never `accelerator.prepare`d).
+- `get_batch_samples`: counts the targets of the whole optimizer step over every rank (one
+  SUM all-reduce per optimizer step, which also carries the token metrics).
+- `training_step`: shard step (`make_cp_blockdiag_batch_and_ctx`), then the stock step, i.e.
+  forward and `accelerator.backward`, inside `train_ctx()`.
+- `compute_loss`: passes `num_items_in_batch = N / W` to the model (N = targets of the whole
+  optimizer step over all ranks, W = world size), so each rank's loss is
+  `local token-loss sum * W / N` (I2): DDP's gradient mean over the W ranks and the Trainer's
+  logged mean over processes are exactly the non-CP values. Nothing here depends on the
+  Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
+  multiplication by the number of processes, which differ between Transformers versions.
+- `evaluate` / `predict`: sharded, from `ShardedEvaluationMixin` (evaluation.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from ...comm.consensus import agree
+from ...comm.mesh import DPCPCoordinates
+from ...config import CPConfig, default_config
+from ...data.loader import packed_dataloader
+from ...model_patches import apply_model_patches
+from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
+from ...step.build import layout_options
+from .callback import BlockdiagCPCallback
+from .evaluation import ShardedEvaluationMixin
+from .setup import (
+    PackingOptions,
+    check_no_foreign_parallelism,
+    check_trainer_setup,
+    resolve_cp_mesh,
+    sum_over_world,
+    world_group,
+)
+
+
+class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
+    """Mix into a `transformers.Trainer` subclass (before it) for block-diagonal CP on packed data.
+
+    Extra keyword arguments (all else goes to the Trainer):
+      cp_size: ranks per CP group (1 = no CP, packing only). The world must be a multiple.
+      max_tokens: tokens per pack (required; a multiple of 2*cp_size).
+      cp_mesh: optional 1-D DeviceMesh or ProcessGroup of this rank's CP group; it must hold ranks
+        [dp*cp_size, (dp+1)*cp_size). Default: `hf_blockdiag_cp.comm.build_dp_cp_mesh(...).cp`.
+      cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
+        default, `configure_cp`). Its layout shards training and evaluation packs.
+      pad_token_id, packing_buffer_size, oversize ("split"|"reject"), shuffle, length_key:
+        packing options of `hf_blockdiag_cp.data.packed_dataloader`.
+    Do not pass `data_collator`: training batches come from the packed dataloader.
+    """
+
+    # The loss from compute_loss is already normalised over the whole optimizer step (I2).
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        *args,
+        cp_size: int = 1,
+        max_tokens: int | None = None,
+        cp_mesh=None,
+        cp_config: CPConfig | None = None,
+        pad_token_id: int = 0,
+        packing_buffer_size: int = 1024,
+        oversize: str = "split",
+        shuffle: bool = True,
+        length_key: str = "input_ids",
+        **kwargs,
+    ):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_no_foreign_parallelism("TrainingArguments", getattr(training_args, "parallelism_config", None))
+        collator = kwargs.get("data_collator", args[2] if len(args) > 2 else None)
+        if collator is not None:
+            raise ValueError(
+                "data_collator must not be given to a BlockdiagCP Trainer: training batches come from its own packing "
+                "collator and sampler (set max_tokens, pad_token_id, oversize instead)"
+            )
+        if cp_config is not None and not isinstance(cp_config, CPConfig):
+            raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
+        self._cp_config = cp_config
+        self.cp_callback = BlockdiagCPCallback(cp_size)
+        self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
+        self.packing.validate(cp_size)
+        super().__init__(*args, **kwargs)
+        apply_model_patches(self.model)  # per-family patches (Phi-3 global RoPE, ...); idempotent
+        self.add_callback(self.cp_callback)
+        check_trainer_setup(self, cp_size)
+        self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
+        self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
+
+    # ---------------------------------------------------------------- data
+
+    def get_train_dataloader(self):
+        """One pack per micro-batch, already sharded for this CP rank; the same number of packs on every rank."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        c = self.cp_coordinates
+        loader = self._packed_loader(self.train_dataset, shuffle=self.packing.shuffle, drop_last=self.args.dataloader_drop_last)
+        agreement = agree(world_group(c.world_size), False, {"packs per epoch": len(loader)})
+        if agreement.disagreeing():
+            low, high = agreement.value("packs per epoch")
+            raise RuntimeError(
+                f"ranks disagree on the number of packs per epoch (this rank: {len(loader)}; range "
+                f"{low}..{high}): every rank must see the same train_dataset and "
+                "packing options, or the Trainer's steps would hang"
+            )
+        return loader
+
+    def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
+        c, p = self.cp_coordinates, self.packing
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        return packed_dataloader(
+            dataset,
+            p.max_tokens,
+            dp_size=c.dp_size,
+            dp_rank=c.dp_rank,
+            cp_size=c.cp_size,
+            cp_rank=c.cp_rank,
+            pad_token_id=p.pad_token_id,
+            seed=seed,
+            shuffle=shuffle,
+            buffer_size=p.buffer_size,
+            num_workers=self.args.dataloader_num_workers,
+            oversize=p.oversize,
+            drop_last=drop_last,
+            length_key=p.length_key,
+            cp_config=self.cp_config,
+        )
+
+    @property
+    def cp_config(self) -> CPConfig:
+        """The `CPConfig` given at construction, else the process default at the time of the call."""
+        return self._cp_config if self._cp_config is not None else default_config()
+
+    def _local_batch(self, batch: dict) -> dict:
+        """A batch sharded for this CP rank: as given if the collator already did it, else the pure
+        shard step with the configured layout."""
+        if SHARD_KEY in batch:
+            return batch
+        c = self.cp_coordinates
+        return shard_batch(batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id,
+                           **layout_options(self.cp_config))
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, torch.Tensor | None]:
+        """The micro-batches of one optimizer step and N = their targets summed over every rank (one all-reduce)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(self._local_batch(next(epoch_iterator)))
+            except StopIteration:
+                break
+        c = self.cp_coordinates
+        tally = torch.zeros(2 + c.world_size, dtype=torch.int64)
+        for batch in batches:
+            labels = batch.get("shift_labels")
+            if labels is not None:
+                tally[0] += int(labels.ne(IGNORE_INDEX).sum())
+            tally[1] += batch["input_ids"].shape[1]
+            tally[2 + c.rank] += int(batch["document_ids"].gt(0).sum())
+        tally = sum_over_world(tally, c.world_size)
+        self.cp_callback.record(tally[2:].tolist(), int(tally[1]))
+        num_items = torch.tensor(float(max(int(tally[0]), 1)), device=device) if batches else None
+        return batches, num_items
+
+    # ---------------------------------------------------------------- step and loss
+
+    def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None):
+        """Shard step, then the stock step (forward + backward) inside the step context."""
+        inputs = self._prepare_inputs(self._local_batch(inputs))
+        train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+            self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+        )
+        with train_ctx():
+            return super().training_step(model, local, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """Each rank: local token-loss sum * W / N, so means over the W ranks are the non-CP loss and gradient (I2)."""
+        if STEP_KWARG not in inputs:  # evaluation / prediction: the stock path
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        inputs = dict(inputs)
+        if num_items_in_batch is not None:
+            # Without it (a direct call), the shard's own per-pack count (targets / cp_size) is used.
+            inputs["num_items_in_batch"] = num_items_in_batch / self.cp_coordinates.world_size
+        outputs = model(**inputs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
+        if loss is None:
+            raise ValueError("the model returned no loss for a CP batch with labels; expected a causal LM with a loss")
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """Add the callback's token metrics to every training log; average the final `train_loss`."""
+        if "loss" in logs:
+            logs.update(self.cp_callback.pop_metrics())
+        if "train_loss" in logs:
+            # The Trainer adds the loss of steps not yet logged as this rank's own value (the logged
+            # ones are means over processes). Under CP a rank's loss is its shard's share, so the
+            # mean over every rank is the loss of the whole packs; every rank logs this once.
+            logs["train_loss"] = self._mean_over_world(float(logs["train_loss"]))
+        super().log(logs, *args, **kwargs)
+
+    def train(self, *args, **kwargs):
+        """The stock `train`; its returned `training_loss` is the averaged `train_loss` (see `log`)."""
+        output = super().train(*args, **kwargs)
+        if "train_loss" in output.metrics:
+            output = output._replace(training_loss=output.metrics["train_loss"])
+        return output
+
+    def _mean_over_world(self, value: float) -> float:
+        world_size = self.cp_coordinates.world_size
+        if world_group(world_size) is None:
+            return value
+        return float(sum_over_world(torch.tensor([value], dtype=torch.float64), world_size).item()) / world_size
+
+
+class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):
+    """`transformers.Trainer` with block-diagonal CP on packed data (see `BlockdiagCPTrainerMixin`)."""

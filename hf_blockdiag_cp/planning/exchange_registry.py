@@ -1,0 +1,187 @@
+"""One record per K/V exchange, and the choice among them.
+
+An exchange moves K/V rows over the CP group so that each rank's kernel gets the keys its
+queries need. Its `ExchangeRecord` says how: a pure per-rank `plan` (which rows the exchange
+returns to the rank and the tables its transport runs with), the rows it moves per layer
+(`rows_per_layer`, read by `planning.cost` and by `auto`), when it cannot serve a layout
+(`unsupported_reason`, with a `fallback`), its requirements (`needs_single_node`), its place
+in `auto`, and the differentiable `transport` (forward collective, reverse in backward).
+
+Adding an exchange: write one module under `hf_blockdiag_cp/comm/exchanges/` that defines its
+transport and registers its record with `register_exchange`, add its import line to
+`comm/exchanges/__init__.py`, and write its tests (the exchange tests iterate the registry,
+so parity, bytes and fault tests cover it at once). Nothing else names an exchange: CPConfig's
+`kv_exchange` spellings, the step's choice and consensus, and `planning.cost` read the records.
+
+The registry lives here, below comm, so that pure planning (`planning.cost`) can read the
+records; the records themselves are registered by the comm modules (`import hf_blockdiag_cp`
+registers them all).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .exchange_plan import ExchangeBytes, ExchangePlan, RankExchange
+from .layout import Layout
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ExchangeRecord:
+    """A K/V exchange and what it needs.
+
+    plan(layout, exchange_plan, rank) -> RankExchange: pure; the rows returned to `rank` (pack
+      positions, in the order the transport returns them: what a kernel with `takes_all_rows`
+      receives), this rank's attention plan over those rows (the other kernels get the rows its
+      `key_rows` select), and the transport's tables. `exchange_plan` is None when `needs_plan`
+      is False.
+    rows_per_layer(exchange_plan, rank) -> (forward, backward): rows `rank` receives per
+      attention layer (K/V rows, then gradients of the rows it sent).
+    transport(k, v, group, world_size, routes, meter) -> (k_rows, v_rows): differentiable; takes
+      this rank's K `[L, Hkv, Dk]`, V `[L, Hkv, Dv]` and returns one row per `row_positions`
+      entry. Every rank of the group issues the same collectives in the same order (I5).
+    unsupported_reason(exchange_plan) -> str | None: why the exchange cannot serve a layout (None:
+      any layout). An explicit request it cannot serve runs `fallback` (None: raise).
+    needs_plan: whether `plan` reads the `ExchangePlan` (False: a step asked for this exchange by
+      name skips planning the needed keys; such an exchange serves every layout).
+    needs_single_node: `auto` skips it on a CP group over several nodes unless
+      `CPConfig.allow_cross_node_a2a`.
+    auto_priority: `auto` takes the cheapest exchange that serves the step (busiest rank's forward
+      + backward rows); ties go to the lowest priority. None: never chosen by `auto`.
+    """
+
+    name: str
+    plan: Callable[[Layout, ExchangePlan | None, int], RankExchange]
+    rows_per_layer: Callable[[ExchangePlan, int], tuple[int, int]]
+    transport: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    aliases: tuple[str, ...] = ()
+    unsupported_reason: Callable[[ExchangePlan], str | None] | None = None
+    fallback: str | None = None
+    needs_plan: bool = True
+    needs_single_node: bool = False
+    auto_priority: int | None = None
+
+    def __post_init__(self):
+        if not self.needs_plan and self.unsupported_reason is not None:
+            raise ValueError(f"exchange {self.name!r}: an exchange that needs no plan must serve every layout")
+        if self.fallback == self.name:
+            raise ValueError(f"exchange {self.name!r} cannot fall back to itself")
+
+    def reason(self, plan: ExchangePlan | None) -> str | None:
+        """Why this exchange cannot serve the layout of `plan`, or None if it can."""
+        return None if self.unsupported_reason is None else self.unsupported_reason(plan)
+
+    def bytes_per_layer(self, plan: ExchangePlan, rank: int, row_bytes: int) -> ExchangeBytes:
+        """Bytes `rank` receives per attention layer; `row_bytes` = Hkv·(Dk+Dv)·element size (`kv_row_bytes`)."""
+        forward, backward = self.rows_per_layer(plan, rank)
+        return ExchangeBytes(forward * row_bytes, backward * row_bytes)
+
+    def max_rows(self, plan: ExchangePlan) -> int:
+        """Forward + backward rows received by the busiest rank: the cost `auto` compares."""
+        return max(sum(self.rows_per_layer(plan, r)) for r in range(plan.cp_size))
+
+
+_RECORDS: dict[str, ExchangeRecord] = {}
+_SPELLINGS: dict[str, str] = {}
+
+
+def _key(spelling: str) -> str:
+    return spelling.strip().lower().replace("-", "_")
+
+
+def register_exchange(record: ExchangeRecord) -> ExchangeRecord:
+    """Add (or replace, by name) an exchange; its name and aliases become accepted `kv_exchange` spellings."""
+    keys = {_key(s) for s in (record.name, *record.aliases)}
+    for key in sorted(keys):
+        owner = "the per-step choice" if key == AUTO else repr(_SPELLINGS.get(key, record.name))
+        if owner != repr(record.name):
+            raise ValueError(f"exchange {record.name!r}: the spelling {key!r} already names {owner}")
+    unregister_exchange(record.name)
+    _RECORDS[record.name] = record
+    _SPELLINGS.update(dict.fromkeys(keys, record.name))
+    return record
+
+
+def unregister_exchange(name: str) -> ExchangeRecord | None:
+    """Remove exchange `name` and its spellings; return its record (None if it was not registered)."""
+    record = _RECORDS.pop(name, None)
+    for key in [k for k, owner in _SPELLINGS.items() if owner == name]:
+        del _SPELLINGS[key]
+    return record
+
+
+def exchange_names() -> tuple[str, ...]:
+    """The registered exchanges, in registration order."""
+    return tuple(_RECORDS)
+
+
+def exchange_records() -> tuple[ExchangeRecord, ...]:
+    return tuple(_RECORDS.values())
+
+
+def get_exchange(name: str) -> ExchangeRecord:
+    try:
+        return _RECORDS[name]
+    except KeyError:
+        raise ValueError(f"kv_exchange={name!r} is not an exchange; available: {', '.join(_RECORDS)}") from None
+
+
+def canonical_exchange_name(spelling: str) -> str:
+    """The canonical name (or "auto") for any accepted spelling of `kv_exchange` (case and '-'/'_' insensitive)."""
+    accepted = ", ".join((AUTO, *_RECORDS))
+    if not isinstance(spelling, str):
+        raise TypeError(f"kv_exchange must be a string, one of {accepted}; got {type(spelling).__name__}")
+    key = _key(spelling)
+    name = AUTO if key == AUTO else _SPELLINGS.get(key)
+    if name is None:
+        raise ValueError(
+            f"kv_exchange={spelling!r} is not supported; accepted values: {accepted} "
+            f"(synonyms: {', '.join(sorted((AUTO, *_SPELLINGS)))}; case and '-'/'_' insensitive)"
+        )
+    return name
+
+
+def auto_order() -> list[ExchangeRecord]:
+    """The records `auto` may choose, in tie-break order."""
+    return sorted((r for r in _RECORDS.values() if r.auto_priority is not None), key=lambda r: r.auto_priority)
+
+
+def choose_exchange(requested: str, plan: ExchangePlan | None, cross_node_ok: bool = True) -> str:
+    """The exchange a step runs, from the configured name (canonical, or "auto") and the plan.
+
+    - a named exchange: itself if it serves the layout, else its `fallback` (halo hands over to
+      a2a), so a long document never makes a step fail; `plan` may be None if it `needs_plan` not;
+    - `auto`: among the records with an `auto_priority` that serve the layout (and, unless
+      `cross_node_ok`, do not need a single node), the cheapest by the busiest rank's forward +
+      backward rows; ties go to the lowest priority (with the shipped records: halo when it is
+      valid and cheaper than allgather, else a2a when cheaper, else allgather).
+    Deterministic in the plan, so every rank of a group that agrees on the pack agrees here.
+    """
+    if requested != AUTO:
+        record, tried = get_exchange(requested), {}
+        while (reason := record.reason(plan)) is not None:
+            tried[record.name] = reason
+            if record.fallback is None or record.fallback in tried:
+                why = "; ".join(f"{name}: {r}" for name, r in tried.items())
+                raise ValueError(f"kv_exchange={requested!r} cannot serve this layout ({why})")
+            record = get_exchange(record.fallback)
+        return record.name
+    if plan is None:
+        raise ValueError("kv_exchange='auto' needs the step's exchange plan")
+    candidates, skipped = [], []
+    for record in auto_order():
+        reason = record.reason(plan)
+        if reason is None and record.needs_single_node and not cross_node_ok:
+            reason = "needs a single node (set allow_cross_node_a2a=True to allow it across nodes)"
+        if reason is None:
+            candidates.append(record)
+        else:
+            skipped.append(f"{record.name}: {reason}")
+    if not candidates:
+        raise ValueError(f"kv_exchange='auto' found no exchange for this layout: {'; '.join(skipped)}")
+    return min(candidates, key=lambda r: r.max_rows(plan)).name  # min keeps the first of equals

@@ -1,0 +1,136 @@
+"""The gated delta-rule patch on one process (model_patches/gated_delta.py; docs/models.md).
+
+- A patched layer on a 2-document pack equals the stock layer on each document alone (outputs
+  and parameter gradients), and the reference discriminates: the stock layer on the pack, a
+  convolution that crosses the boundary, and a state that crosses it all differ from it.
+- Outside a CP step without packing information the patched model is the stock model (forward
+  and cached generation).
+- A hybrid without the patch cannot run a CP step; the VL model refuses images in a step;
+  the unverified fla path is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.model_patches import gated_delta
+from hf_blockdiag_cp.model_patches.gated_delta_kernels import docs_from_cu_seqlens, fla_refusal
+from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model
+from helpers.reference import rel_err
+
+LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the delta rule
+
+
+def _layers(family):
+    ref, model = build_hybrid_pair(family)
+    pick = [m for m in model.modules() if gated_delta.is_gated_delta_net(m)][0]
+    stock = [m for m in ref.modules() if gated_delta.is_gated_delta_net(m)][0]
+    return stock, pick
+
+
+def _inputs(hidden_size):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, sum(LENGTHS), hidden_size, generator=g)
+    probe = torch.randn(1, sum(LENGTHS), hidden_size, generator=g)
+    return x, probe
+
+
+def _per_document(stock, x, probe):
+    stock.zero_grad(set_to_none=True)
+    outs, start = [], 0
+    for n in LENGTHS:
+        outs.append(stock(x[:, start : start + n]))
+        start += n
+    out = torch.cat(outs, dim=1)
+    (out * probe).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in stock.named_parameters()}
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_packed_layer_equals_each_document_alone(family):
+    stock, patched = _layers(family)
+    x, probe = _inputs(stock.hidden_size)
+    ref_out, ref_grads = _per_document(stock, x, probe)
+    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
+    out = patched(x, cu_seq_lens_q=cu)
+    (out * probe).sum().backward()
+    assert rel_err(out.detach(), ref_out) <= 1e-5
+    for name, p in patched.named_parameters():
+        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
+    with torch.no_grad():
+        assert rel_err(stock(x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
+
+
+def _mixer_out(layer, x, docs):
+    mixed, _, b, a = gated_delta._project(layer, x[0])
+    return gated_delta.token_mixer(layer, mixed, b, a, docs, None, 1, 0)
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_reference_catches_a_crossing_convolution_or_state(family):
+    """Letting only the convolution, or only the recurrent state, cross the boundary changes the
+    second document: each mechanism on its own is seen by the per-document reference."""
+    _, layer = _layers(family)
+    x, _ = _inputs(layer.hidden_size)
+    length = sum(LENGTHS)
+    split = docs_from_cu_seqlens(torch.tensor([0, LENGTHS[0], length]), length, "cpu")
+    whole = docs_from_cu_seqlens(torch.tensor([0, length]), length, "cpu")
+    with torch.no_grad():
+        exact = _mixer_out(layer, x, split)
+        conv_crosses = _mixer_out(layer, x, dataclasses.replace(split, offsets=whole.offsets))
+        state_crosses = _mixer_out(layer, x, dataclasses.replace(split, segments=whole.segments))
+    second = slice(LENGTHS[0], length)
+    assert rel_err(conv_crosses[second], exact[second]) > 1e-3
+    assert rel_err(state_crosses[second], exact[second]) > 1e-3
+    assert torch.equal(conv_crosses[: LENGTHS[0]], exact[: LENGTHS[0]])
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_outside_a_step_the_model_is_stock(family):
+    ref, model = build_hybrid_pair(family)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        if family == "qwen3_5":  # cached generation: the patched forward defers to the stock one
+            expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
+def test_hybrid_without_the_patch_cannot_run_a_step():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config("qwen3_next"), attn_implementation=bdcp.ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    with pytest.raises(RuntimeError, match=r"gated_delta_packed.*apply_model_patches\(model\)"):
+        with train_ctx():
+            model(**local).loss.backward()
+    assert bdcp.apply_model_patches(copy.deepcopy(model)) == ("gated_delta_packed",)
+
+
+def test_vl_model_text_steps_run_and_images_are_refused():
+    torch.manual_seed(0)
+    model = tiny_hybrid_vl_model()
+    assert bdcp.apply_model_patches(model) == ("gated_delta_packed",)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    with train_ctx():
+        assert torch.isfinite(model(**local).loss)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    with pytest.raises(ValueError, match="images or videos are not supported"):
+        with train_ctx():
+            model(**local, pixel_values=torch.randn(4, 12), image_grid_thw=torch.tensor([[1, 2, 2]]))
+
+
+def test_fla_path_is_refused_until_verified():
+    reason = fla_refusal(torch.zeros(1))
+    assert reason is not None and "flash-linear-attention" in reason
