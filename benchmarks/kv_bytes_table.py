@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_blockdiag_cp.planning import choose_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.planning import choose_exchange, get_exchange, kv_row_bytes, plan_exchange
 from hf_blockdiag_cp.bench.common import histogram_buckets
 from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
@@ -65,12 +65,12 @@ def sample_pack(seq_len: int, seed: int, histogram) -> list[int]:
 def measure(lengths: list[int], cp_size: int) -> dict:
     layout = plan_layout(document_ids_from_lengths(lengths), cp_size)
     plan = plan_exchange(layout)
-    a2a = [plan.rows_per_layer("a2a", r)[0] * ROW_BYTES for r in range(cp_size)]
+    a2a = [get_exchange("a2a").rows_per_layer(plan, r)[0] * ROW_BYTES for r in range(cp_size)]
     return {
-        "allgather": plan.rows_per_layer("allgather", 0)[0] * ROW_BYTES,
+        "allgather": get_exchange("allgather").rows_per_layer(plan, 0)[0] * ROW_BYTES,
         "a2a_mean": statistics.mean(a2a),
         "a2a_max": max(a2a),
-        "halo_valid": plan.halo_valid,
+        "halo_valid": get_exchange("halo").reason(plan) is None,
         "auto": choose_exchange("auto", plan),
     }
 

@@ -120,12 +120,13 @@ def row(name: str, packs: list[list[int]], g: int) -> str:
     ms_c = statistics.median(planner_ms(lengths, g, "contiguous") for lengths in packs[:4])
     ms_b = statistics.median(balancer_ms(lengths, g) for lengths in packs[:4])
     docs = statistics.fmean(len(lengths) for lengths in packs)
-    halo = f"{mean(c, lambda x: x.halo_valid):.0%} / {mean(b, lambda x: x.halo_valid):.0%}"
+    halo = f"{mean(c, lambda x: 'halo' in x.exchange_bytes):.0%} / {mean(b, lambda x: 'halo' in x.exchange_bytes):.0%}"
     return (
         f"| {name} | {g} | {docs:.0f} | {mean(c, lambda x: x.imbalance):.3f} | {statistics.fmean(imb_b):.3f} "
         f"| {max(imb_b):.3f} | {mean(c, lambda x: x.over_ideal):.3f} | {mean(b, lambda x: x.over_ideal):.3f} "
-        f"| {max(x.over_ideal for x in b):.3f} | {tokens} | {c[0].allgather_bytes[0] / MB:.0f} "
-        f"| {mean(c, lambda x: max(x.a2a_bytes)) / MB:.0f} | {mean(b, lambda x: max(x.a2a_bytes)) / MB:.0f} "
+        f"| {max(x.over_ideal for x in b):.3f} | {tokens} | {c[0].exchange_bytes['allgather'][0] / MB:.0f} "
+        f"| {mean(c, lambda x: max(x.exchange_bytes['a2a'])) / MB:.0f} "
+        f"| {mean(b, lambda x: max(x.exchange_bytes['a2a'])) / MB:.0f} "
         f"| {mean(c, lambda x: x.split_documents):.1f} | {mean(b, lambda x: x.split_documents):.1f} | {halo} "
         f"| {ms_c:.2f} | {ms:.2f} | {ms_b:.2f} |"
     )

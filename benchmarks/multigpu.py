@@ -33,7 +33,7 @@ from hf_blockdiag_cp.bench import setups as bench_setups
 from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for
 from hf_blockdiag_cp.comm import exchange_kv
 from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
-from hf_blockdiag_cp.planning import choose_exchange, plan_exchange, plan_layout
+from hf_blockdiag_cp.planning import choose_exchange, exchange_names, get_exchange, plan_exchange, plan_layout
 from hf_blockdiag_cp.step import CPStep, build_step
 from multigpu_e2e import e2e_child, part_e2e
 from multigpu_lib import Ctx, environment, run_part, short_table, summarize, time_body, write_results
@@ -60,8 +60,9 @@ def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange
     """The step of `rank` as the shard step builds it (the exchange as `exchange` resolves, the kernel's per-step
     preparation done), without a batch."""
     lay = plan_layout(document_ids_for(lengths), G, layout)
-    xplan = plan_exchange(lay) if (G > 1 and exchange != "allgather") else None
-    taken = choose_exchange(exchange, xplan) if xplan is not None else "allgather"
+    needs_plan = G > 1 and (exchange == "auto" or get_exchange(exchange).needs_plan)
+    xplan = plan_exchange(lay) if needs_plan else None
+    taken = choose_exchange(exchange, xplan) if G > 1 else "allgather"
     step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan)
     prepare = get_kernel(kernel).prepare
     if prepare is not None:
@@ -278,7 +279,8 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--dtype", default=None, help="attention/overlap dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attn-kernels", type=lambda s: s.split(","), default=None, help="attention/overlap kernels (default varlen on CUDA)")
-    p.add_argument("--exchanges", type=lambda s: s.split(","), default=["allgather", "halo", "a2a"])
+    p.add_argument("--exchanges", type=lambda s: s.split(","), default=list(exchange_names()),
+                   help="K/V exchanges to time (default: every registered one)")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "balanced"])
     p.add_argument("--setups", type=lambda s: s.split(","), default=["magi", "ringflash"])
     p.add_argument("--tokens-per-rank", type=int, default=8192)

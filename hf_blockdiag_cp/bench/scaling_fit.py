@@ -51,7 +51,7 @@ def network_from_overlap(results: dict, inter_gbps: float = INTER_NODE_GBPS_PER_
             continue
         kind = r.get("exchange_taken") or r["exchange"]
         _, kvh, d = _heads(r.get("heads") or f"{s['heads']}/{s['kv_heads']}x{s['head_dim']}")
-        cost = pack_cost(tuple(s["lengths"]), G, r["layout"], kind)
+        cost = pack_cost(tuple(s["lengths"]), G, r["layout"])
         row_b = kv_row_bytes(kvh, d, d, BYTES_PER_ELEMENT)
         for direction in ("fwd", "bwd"):
             if (kind, direction) not in cost.rows:
@@ -137,7 +137,7 @@ def validate_attention(results: dict, net: Network, tol: float = TOLERANCE) -> l
         if s is None or not r.get("fwdbwd_pct_ideal") or not r.get("single_fwd_ms"):
             continue
         kind = r.get("exchange_taken") or r["exchange"]
-        cost = pack_cost(tuple(s["lengths"]), G, r["layout"], kind)
+        cost = pack_cost(tuple(s["lengths"]), G, r["layout"])
         if (kind, "fwd") not in cost.rows:
             continue
         ideal = (r["single_fwd_ms"] + r["single_bwd_ms"]) / G

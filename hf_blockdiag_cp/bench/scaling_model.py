@@ -7,12 +7,13 @@ G GPUs, for the slowest rank (L layers, H query heads of dim D):
     T_kv   = L * (n_fwd * t(fwd bytes) + t(bwd bytes)) n_fwd = 2 with checkpointing; t(b) = (G-1)*a + b / B(G)
     T_ar   = n_tensors * 2(G-1)*a + 2(G-1)/G * P * 2 bytes / B(G)   ring all-reduce of the bf16 gradients
 
-`work_r` and the K/V rows per rank come from the planner (`plan_layout`, `layout_cost`,
-`plan_exchange`) on the pack (`Setup.packs`, by default the multi-GPU benchmark's end-to-end
-pack). R_attn: measured single-GPU useful TFLOP/s of the kernel, interpolated in log2(S).
-B(G): measured collective rates within a node (G <= `node_gpus`), capped by an inter-node share
-per GPU beyond. f: the overlapped fraction of the K/V exchange (never more than the attention it
-runs under). Memory is not modelled. docs/scaling.md explains the terms and their inputs.
+`work_r` and the K/V rows per rank come from the planner (`plan_layout`, `rank_work`, and the
+exchange records' `rows_per_layer` over `plan_exchange`) on the pack (`Setup.packs`, by default
+the multi-GPU benchmark's end-to-end pack). R_attn: measured single-GPU useful TFLOP/s of the
+kernel, interpolated in log2(S). B(G): measured collective rates within a node (G <= `node_gpus`),
+capped by an inter-node share per GPU beyond. f: the overlapped fraction of the K/V exchange (never
+more than the attention it runs under). Memory is not modelled. docs/scaling.md explains the terms
+and their inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..planning import kv_row_bytes, layout_cost, plan_exchange, plan_layout
+from ..planning import exchange_records, kv_row_bytes, plan_exchange, plan_layout, rank_work
 from .setups import e2e_pack_lengths
 
 NODE_GPUS = 8
@@ -129,21 +130,19 @@ class PackCost:
 
 
 @functools.lru_cache(maxsize=None)
-def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced", exchange: str = "allgather") -> PackCost:
-    """`layout_cost` of the planned layout with a one-byte row (so bytes = rows); the needed-only exchanges from the plan."""
+def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> PackCost:
+    """The planned layout's work per rank and, for every registered exchange that can serve it, the
+    busiest rank's K/V rows per layer, forward and backward (the exchange record's `rows_per_layer`)."""
     lay = plan_layout(list(lengths), G, layout)
-    c = layout_cost(lay, kv_heads=1, head_dim_k=1, head_dim_v=0, bytes_per_element=1)
-    rows = {("allgather", "fwd"): max(c.allgather_bytes), ("allgather", "bwd"): max(c.allgather_bytes),
-            ("a2a", "fwd"): max(c.a2a_bytes)}
-    if exchange != "allgather" and G > 1:
-        plan = plan_exchange(lay)
-        for kind in ("a2a", "halo"):
-            if kind == "halo" and not plan.halo_valid:
-                continue
-            per = [plan.bytes_per_layer(kind, r, 1) for r in range(G)]
-            rows[(kind, "fwd")] = max(b.forward for b in per)
-            rows[(kind, "bwd")] = max(b.backward for b in per)
-    return PackCost(lay.local_len, max(c.work), sum(c.work), rows)
+    work = rank_work(lay).tolist()
+    plan = plan_exchange(lay)
+    rows = {}
+    for record in exchange_records():
+        if record.reason(plan) is None:
+            per_rank = [record.rows_per_layer(plan, r) for r in range(G)]
+            rows[(record.name, "fwd")] = max(f for f, _ in per_rank)
+            rows[(record.name, "bwd")] = max(b for _, b in per_rank)
+    return PackCost(lay.local_len, max(work), sum(work), rows)
 
 
 @dataclass(frozen=True)
@@ -183,7 +182,7 @@ def kv_exchange_ms(cfg: dict, G: int, cost: PackCost, st: Setup) -> float:
 def step_ms(cfg: dict, S: int, G: int, st: Setup, lengths=None) -> dict:
     """Predicted step time (ms) of one pack at CP size G, by component (see the module docstring)."""
     lengths = tuple(lengths) if lengths is not None else tuple(st.packs(S))
-    cost = pack_cost(lengths, G, st.layout if G > 1 else "contiguous", st.exchange)
+    cost = pack_cost(lengths, G, st.layout if G > 1 else "contiguous")
     lin = cost.local_len * linear_flops_per_token(cfg, st.checkpointing) / (st.r_lin_tflops * 1e12) * 1e3
     attn = attention_ms(cfg, S, cost, st)
     kv = kv_exchange_ms(cfg, G, cost, st)

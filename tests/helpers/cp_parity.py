@@ -14,11 +14,11 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.bench.common import histogram_lengths
 from hf_blockdiag_cp.bench.setups import HIST_CSV
-from hf_blockdiag_cp.planning import PAIR_COUNT  # balanced layouts permute even packs shorter than a tile
+from hf_blockdiag_cp.planning import PAIR_COUNT, exchange_names  # PAIR_COUNT: balanced layouts permute tiny packs
 from helpers.packs import make_pack
 from helpers.reference import build_models, make_docs, mean_over_group, reference_loss_and_grads, rel_err
 
-EXCHANGES = ("allgather", "halo", "a2a")
+EXCHANGES = exchange_names()  # every registered exchange
 LAYOUTS = ("contiguous", "balanced")
 PACKS = ("straddle", "padding_rank", "span_all")
 

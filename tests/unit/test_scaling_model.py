@@ -118,7 +118,7 @@ def _overlap_rows(G: int, net: Network) -> list[dict]:
     rows = []
     for s in attention_setups(G, ["magi"], magi_packs=1, tiny=True):
         for layout in ("contiguous", "balanced"):
-            cost = pack_cost(tuple(s["lengths"]), G, layout, "allgather")
+            cost = pack_cost(tuple(s["lengths"]), G, layout)
             row_b = kv_row_bytes(s["kv_heads"], s["head_dim"], s["head_dim"], 2)
             comm = {d: net.collective_ms(cost.rows[("allgather", d)] * row_b, G, "allgather", d) for d in ("fwd", "bwd")}
             rows.append({"setup": "magi", "pack": s["pack"], "exchange": "allgather", "layout": layout,
