@@ -10,7 +10,7 @@ forward of one attention layer; the backward's reverse exchange receives as much
 allgather, exactly as much per rank).
 
 Packs: document lengths drawn i.i.d. from the 13.4M-document histogram in
-benchmarks/data/doc_length_distribution.csv (MagiAttention's method: a bucket with probability
+hf_blockdiag_cp/bench/data/doc_length_distribution.csv (MagiAttention's method: a bucket with probability
 proportional to its count, then a length uniform within the bucket, capped at a quarter of the
 pack), appended until the pack of S tokens is full; the last document is cut to fit. PACKS
 packs per S (seeds 0..PACKS-1), the same packs for every G, contiguous layout (the default).
@@ -18,13 +18,12 @@ Columns (mean over packs): allgather MB; a2a MB as mean / max over ranks; halo: 
 packs where it is valid (no needed document over more than two ranks) and its max-rank MB over
 those packs (it moves the same rows as a2a); auto: what `kv_exchange="auto"` picks.
 
-Run: python benchmarks/kv_bytes_table.py [--packs 16]
+Run: python benchmarks/kv_bytes_table.py [--packs 16] [--out bench_out]   (writes OUT/kv_bytes.md)
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from collections import Counter
@@ -32,29 +31,22 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_blockdiag_cp.planning import choose_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.planning import choose_exchange, get_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.bench.common import histogram_buckets
+from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 SEQ_LENS = {"128k": 131072, "512k": 524288, "1M": 1048576}
 CP_SIZES = (2, 4, 8, 16)
 ROW_BYTES = kv_row_bytes(kv_heads=8, head_dim_k=128, head_dim_v=128, bytes_per_element=2)
 MB = 1024 * 1024
-ROOT = Path(__file__).resolve().parent
-HISTOGRAM = ROOT / "data" / "doc_length_distribution.csv"
-RESULT = ROOT / "results" / "kv_bytes.md"
 
 
-def load_histogram(path: Path = HISTOGRAM):
+def load_histogram(path: Path = HIST_CSV):
     """(low, high, probability) arrays of the length buckets."""
-    lows, highs, counts = [], [], []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            lo, hi = (int(x) for x in row["range"].strip('"[]').split(","))
-            lows.append(max(lo, 1))
-            highs.append(hi)
-            counts.append(int(row["number"]))
+    buckets, counts = histogram_buckets(path)
     p = np.asarray(counts, dtype=float)
-    return np.asarray(lows), np.asarray(highs), p / p.sum()
+    return np.asarray([b[0] for b in buckets]), np.asarray([b[1] for b in buckets]), p / p.sum()
 
 
 def sample_pack(seq_len: int, seed: int, histogram) -> list[int]:
@@ -73,12 +65,12 @@ def sample_pack(seq_len: int, seed: int, histogram) -> list[int]:
 def measure(lengths: list[int], cp_size: int) -> dict:
     layout = plan_layout(document_ids_from_lengths(lengths), cp_size)
     plan = plan_exchange(layout)
-    a2a = [plan.rows_per_layer("a2a", r)[0] * ROW_BYTES for r in range(cp_size)]
+    a2a = [get_exchange("a2a").rows_per_layer(plan, r)[0] * ROW_BYTES for r in range(cp_size)]
     return {
-        "allgather": plan.rows_per_layer("allgather", 0)[0] * ROW_BYTES,
+        "allgather": get_exchange("allgather").rows_per_layer(plan, 0)[0] * ROW_BYTES,
         "a2a_mean": statistics.mean(a2a),
         "a2a_max": max(a2a),
-        "halo_valid": plan.halo_valid,
+        "halo_valid": get_exchange("halo").reason(plan) is None,
         "auto": choose_exchange("auto", plan),
     }
 
@@ -110,6 +102,7 @@ def table(packs: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packs", type=int, default=16, help="packs sampled per sequence length")
+    parser.add_argument("--out", default="bench_out", help="writes kv_bytes.md here")
     args = parser.parse_args()
     start = time.perf_counter()
     body = table(args.packs)
@@ -121,8 +114,9 @@ def main() -> None:
     text = f"{header}\n\n{body}\n"
     print(text)
     print(f"(planning time {time.perf_counter() - start:.1f} s)")
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(text)
+    out = Path(args.out) / "kv_bytes.md"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Planner table: contiguous vs balanced layouts of 128k-token packs at G = 2, 4, 8, 16.
 
-Prints a markdown table and writes it to benchmarks/results/layout_table.md. Every number comes
+Prints a markdown table and writes it to OUT/layout_table.md (`--out`, default bench_out). Every number comes
 from the planner (`plan_layout`, `layout_cost`); nothing runs a kernel. Columns:
   work max/mean  per-rank block-causal attention work, max over ranks / mean (1.00 = perfect)
   cost max/ideal the balanced layout's objective: predicted kernel cost (default KernelCost, the
@@ -19,13 +19,12 @@ PACKS packs, and the worst balanced one. The last document of a random pack is c
   halo valid     share of packs whose layout a left-halo exchange can serve
   ms             planner CPU time per step (thread time, best of 20): plan_layout from document
                  ids (segmentation included) and the balancing step alone
-Run: python benchmarks/layout_table.py [--packs 16]
+Run: python benchmarks/layout_table.py [--packs 16] [--out bench_out]
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
 from pathlib import Path
@@ -36,13 +35,13 @@ import torch
 
 from hf_blockdiag_cp.planning import layout_cost
 from hf_blockdiag_cp.planning.balance import balanced_slot_positions
+from hf_blockdiag_cp.bench.common import histogram_buckets
+from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 
 PACK = 131072
 CP_SIZES = (2, 4, 8, 16)
 MB = 1024 * 1024
-ROOT = Path(__file__).resolve().parent
-HISTOGRAM_PATHS = (ROOT / "data" / "doc_length_distribution.csv", ROOT.parent.parent / "shared" / "data" / "doc_length_distribution.csv")
 
 
 def fill_pack(draw, rng, pack: int = PACK, first: list[int] | None = None) -> list[int]:
@@ -61,21 +60,14 @@ def lognormal(mean: float, sigma: float, cap: int):
 
 
 def histogram_sampler(cap: int):
-    path = next((p for p in HISTOGRAM_PATHS if p.exists()), None)
-    if path is None:
-        raise FileNotFoundError(f"doc_length_distribution.csv not found in {[str(p) for p in HISTOGRAM_PATHS]}")
-    lows, highs, counts = [], [], []
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            lo, hi = (int(x) for x in row["range"].strip("[]").split(","))
-            lows.append(max(lo, 1)), highs.append(hi), counts.append(int(row["number"]))
+    buckets, counts = histogram_buckets(HIST_CSV)
     p = np.asarray(counts, dtype=float) / sum(counts)
 
     def draw(rng):
         b = rng.choice(len(p), p=p)
-        return min(rng.integers(lows[b], highs[b] + 1), cap)
+        return min(rng.integers(buckets[b][0], buckets[b][1] + 1), cap)
 
-    return draw, path
+    return draw, HIST_CSV
 
 
 def scenarios(packs: int):
@@ -128,12 +120,13 @@ def row(name: str, packs: list[list[int]], g: int) -> str:
     ms_c = statistics.median(planner_ms(lengths, g, "contiguous") for lengths in packs[:4])
     ms_b = statistics.median(balancer_ms(lengths, g) for lengths in packs[:4])
     docs = statistics.fmean(len(lengths) for lengths in packs)
-    halo = f"{mean(c, lambda x: x.halo_valid):.0%} / {mean(b, lambda x: x.halo_valid):.0%}"
+    halo = f"{mean(c, lambda x: 'halo' in x.exchange_bytes):.0%} / {mean(b, lambda x: 'halo' in x.exchange_bytes):.0%}"
     return (
         f"| {name} | {g} | {docs:.0f} | {mean(c, lambda x: x.imbalance):.3f} | {statistics.fmean(imb_b):.3f} "
         f"| {max(imb_b):.3f} | {mean(c, lambda x: x.over_ideal):.3f} | {mean(b, lambda x: x.over_ideal):.3f} "
-        f"| {max(x.over_ideal for x in b):.3f} | {tokens} | {c[0].allgather_bytes[0] / MB:.0f} "
-        f"| {mean(c, lambda x: max(x.a2a_bytes)) / MB:.0f} | {mean(b, lambda x: max(x.a2a_bytes)) / MB:.0f} "
+        f"| {max(x.over_ideal for x in b):.3f} | {tokens} | {c[0].exchange_bytes['allgather'][0] / MB:.0f} "
+        f"| {mean(c, lambda x: max(x.exchange_bytes['a2a'])) / MB:.0f} "
+        f"| {mean(b, lambda x: max(x.exchange_bytes['a2a'])) / MB:.0f} "
         f"| {mean(c, lambda x: x.split_documents):.1f} | {mean(b, lambda x: x.split_documents):.1f} | {halo} "
         f"| {ms_c:.2f} | {ms:.2f} | {ms_b:.2f} |"
     )
@@ -164,6 +157,7 @@ def scaling(g: int, repeat: int = 20) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--packs", type=int, default=16, help="random packs per scenario")
+    parser.add_argument("--out", default="bench_out", help="writes layout_table.md here")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the shard step plans on the host, beside the training loop
     cases, path = scenarios(args.packs)
@@ -184,7 +178,7 @@ def main() -> None:
     lines += ["", "Planner CPU time against documents (best of 20, one thread, this host):", ""] + scaling(8) + scaling(16)[2:]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "results" / "layout_table.md"
+    out = Path(args.out) / "layout_table.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(f"wrote {out}")

@@ -31,15 +31,22 @@ def lognormal_lengths(total: int, mean: float, sigma: float = 1.0, seed: int = 0
     return lengths
 
 
-def histogram_lengths(csv_path: str | os.PathLike, total: int, seed: int = 0, cap_fraction: float = 0.25) -> list[int]:
-    """Lengths sampled from a histogram CSV (`range,number,...` rows like "[11, 50]"), each capped
-    at `cap_fraction` of the pack and uniform within its bucket, cut to sum exactly to `total`."""
+def histogram_buckets(csv_path: str | os.PathLike) -> tuple[list[tuple[int, int]], list[float]]:
+    """The (low, high) length buckets of a histogram CSV (`range,number,...` rows like "[11, 50]";
+    lengths below 1 raised to 1) and their document counts."""
     buckets, weights = [], []
     with open(csv_path) as f:
         for row in csv.DictReader(f):
-            lo, hi = (int(x) for x in row["range"].strip("[] ").split(","))
+            lo, hi = (int(x) for x in row["range"].strip('"[] ').split(","))
             buckets.append((max(lo, 1), hi))
             weights.append(float(row["number"]))
+    return buckets, weights
+
+
+def histogram_lengths(csv_path: str | os.PathLike, total: int, seed: int = 0, cap_fraction: float = 0.25) -> list[int]:
+    """Lengths sampled from a histogram CSV (`histogram_buckets`), each capped at `cap_fraction` of
+    the pack and uniform within its bucket, cut to sum exactly to `total`."""
+    buckets, weights = histogram_buckets(csv_path)
     g = torch.Generator().manual_seed(seed)
     probs = torch.tensor(weights) / sum(weights)
     cap = max(1, int(total * cap_fraction))
@@ -176,9 +183,13 @@ def compile_counters() -> dict[str, int]:
 
 
 def environment() -> dict:
+    """Versions, GPU and date of this run, written beside every result (docs quote them with the command)."""
+    import datetime
+
     import transformers
 
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda}
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.version.cuda,
+           "date": datetime.date.today().isoformat()}
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
     return env

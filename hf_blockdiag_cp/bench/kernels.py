@@ -96,101 +96,134 @@ def _dense(doc_ids, q, k, v):
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], enable_gqa=True)
 
 
-def run(args) -> list[dict]:
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    for backend in list(args.backends):
+def _runnable_backends(args, device, dtype) -> list[str]:
+    """`--backends` without the kernels that cannot run here (each skip is printed)."""
+    keep = []
+    for backend in args.backends:
         reason = unsupported_reason(backend, device, dtype, args.head_dim, args.head_dim)
         if reason is not None:
             print(f"skipping {backend}: {reason}", flush=True)
-            args.backends.remove(backend)
+        else:
+            keep.append(backend)
+    return keep
+
+
+def _inputs(args, seq_len: int, device, dtype):
+    """The pack's document lengths and q, k, v, grad in Transformers' layout: projections give
+    [1, S, H, D]; attention receives the [1, H, S, D] view."""
+    if args.lengths_csv:
+        lengths = histogram_lengths(args.lengths_csv, seq_len, seed=args.seed)
+    else:
+        lengths = lognormal_lengths(seq_len, mean=args.mean_doc_len, seed=args.seed)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+
+    def rand(h):
+        return torch.randn(1, seq_len, h, args.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+
+    leaves = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    grad = torch.randn(1, seq_len, args.heads, args.head_dim, device=device, dtype=dtype, generator=g)
+    return lengths, q, k, v, grad
+
+
+def _methods(args, lengths, q, k, v, device):
+    """(methods, references, plan_ms): name -> (call, useful FLOPs). The methods are ours per backend and
+    the raw kernels they wrap; the references (dense-mask SDPA, the one-document ceiling) are far slower
+    or faster and are timed on their own."""
+    doc_ids = document_ids_for(lengths)
+    seq_len = doc_ids.numel()
+    useful = attention_flops(lengths, args.heads, args.head_dim)
+    methods, plan_ms = {}, {}
+    for backend in args.backends:
+        plan_ms[backend] = time_cuda(lambda: _step_for(doc_ids, backend, device), warmup=1, reps=3).median_ms
+        step = _step_for(doc_ids, backend, device)
+        methods[f"ours/{backend}"] = (lambda step=step: blockdiag_attention(step, q, k, v, scale=None, sliding_window=None), useful)
+    if "flex" in args.backends:
+        methods["raw/flex"] = (_raw_flex(doc_ids, q, k, v), useful)
+        if args.flex_interval_mask:
+            methods["raw/flex interval mask"] = (_raw_flex(doc_ids, q, k, v, interval=True), useful)
+    if "varlen" in args.backends:
+        methods["raw/varlen"] = (_raw_varlen(lengths, q, k, v), useful)
+    if "fa4" in args.backends:
+        methods["raw/fa4"] = (_raw_fa4(lengths, q, k, v), useful)
+    references = {}
+    if seq_len <= args.dense_max_len:
+        references["dense-mask sdpa"] = (_dense(doc_ids, q, k, v), useful)
+    references["sdpa one causal doc (ceiling)"] = (
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        attention_flops([seq_len], args.heads, args.head_dim),
+    )
+    return methods, references, plan_ms
+
+
+def _fwd_bwd(fn, grad) -> None:
+    out = fn()
+    if out.dim() == 3:  # varlen: [S, H, D]
+        out = out.unsqueeze(0)
+    elif out.shape[1] == grad.shape[2] and out.shape[2] == grad.shape[1]:  # SDPA/flex layout [1, H, S, D]
+        out = out.transpose(1, 2)
+    out.backward(grad)
+
+
+def _timings(args, methods: dict, references: dict, grad):
+    """Per method: `Timing` (a sync around every call: first call, latency, spread) and the rate with
+    calls queued back to back, as in a model (the host runs ahead)."""
+    calls = {name: (lambda fn=fn: _fwd_bwd(fn, grad)) for name, (fn, _) in methods.items()}
+    ref_calls = {name: (lambda fn=fn: _fwd_bwd(fn, grad)) for name, (fn, _) in references.items()}
+    # Turns in blocks: the entry point and the raw kernel see the same clocks and allocator state.
+    timings = time_interleaved(calls, warmup=args.warmup, reps=args.reps)
+    for name, call in ref_calls.items():
+        timings[name] = time_cuda(call, warmup=1, reps=args.reference_reps)
+    queued = time_queued(calls, calls=args.queued_calls, rounds=args.queued_rounds)
+    queued.update(time_queued(ref_calls, calls=2, rounds=args.reference_reps))
+    if args.profile:
+        seq_len = grad.shape[1]
+        for name, call in calls.items():
+            profile_table(call, f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
+    return timings, queued
+
+
+def _add_ratios(by_name: dict, backends) -> None:
+    """Ratios within one pack length: over the ceiling's rate, ours over varlen, ours over its raw kernel and dense SDPA."""
+    ceiling, varlen = by_name.get("sdpa one causal doc (ceiling)"), by_name.get("ours/varlen")
+    for row in by_name.values():
+        if ceiling and row is not ceiling:
+            row["vs_ceiling"] = row["tflops"] / ceiling["tflops"]  # useful TFLOP/s over the ceiling's
+        if varlen and row["method"].startswith("ours/") and row is not varlen:
+            row["vs_varlen"] = varlen["ms"] / row["ms"]
+    for backend in backends:
+        ours, raw, dense = by_name.get(f"ours/{backend}"), by_name.get(f"raw/{backend}"), by_name.get("dense-mask sdpa")
+        if ours and raw:
+            ours["vs_raw"] = raw["ms"] / ours["ms"]
+        if ours and dense:
+            ours["vs_dense"] = dense["ms"] / ours["ms"]
+
+
+def run(args) -> list[dict]:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    args.backends = _runnable_backends(args, device, dtype)
     rows = []
     for seq_len in args.seq_lens:
         # Every length compiles from scratch (static shapes, as a run at one pack length does): a
         # recompile to dynamic shapes would hit whichever method met the new length first.
         torch._dynamo.reset()
-        if args.lengths_csv:
-            lengths = histogram_lengths(args.lengths_csv, seq_len, seed=args.seed)
-        else:
-            lengths = lognormal_lengths(seq_len, mean=args.mean_doc_len, seed=args.seed)
-        doc_ids = document_ids_for(lengths)
-        useful = attention_flops(lengths, args.heads, args.head_dim)
-        g = torch.Generator(device=device).manual_seed(args.seed)
-
-        # Transformers' layout: projections give [1, S, H, D]; attention receives the [1, H, S, D] view.
-        def rand(h):
-            return torch.randn(1, seq_len, h, args.head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
-
-        leaves = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
-        q, k, v = (t.transpose(1, 2) for t in leaves)
-        grad = torch.randn(1, seq_len, args.heads, args.head_dim, device=device, dtype=dtype, generator=g)
-        methods = {}
-        plan_ms = {}
-        for backend in args.backends:
-            plan_ms[backend] = time_cuda(lambda: _step_for(doc_ids, backend, device), warmup=1, reps=3).median_ms
-            step = _step_for(doc_ids, backend, device)
-            methods[f"ours/{backend}"] = (lambda step=step: blockdiag_attention(step, q, k, v, scale=None, sliding_window=None), useful)
-        if "flex" in args.backends:
-            methods["raw/flex"] = (_raw_flex(doc_ids, q, k, v), useful)
-            if args.flex_interval_mask:
-                methods["raw/flex interval mask"] = (_raw_flex(doc_ids, q, k, v, interval=True), useful)
-        if "varlen" in args.backends:
-            methods["raw/varlen"] = (_raw_varlen(lengths, q, k, v), useful)
-        if "fa4" in args.backends:
-            methods["raw/fa4"] = (_raw_fa4(lengths, q, k, v), useful)
-        references = {}  # far from the others: timed on their own, with few reps
-        if seq_len <= args.dense_max_len:
-            references["dense-mask sdpa"] = (_dense(doc_ids, q, k, v), useful)
-        references["sdpa one causal doc (ceiling)"] = (
-            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            attention_flops([seq_len], args.heads, args.head_dim),
-        )
-
-        def fwd_bwd(fn):
-            out = fn()
-            if out.dim() == 3:  # varlen: [S, H, D]
-                out = out.unsqueeze(0)
-            elif out.shape[1] == args.heads and out.shape[2] == seq_len:  # SDPA/flex layout [1, H, S, D]
-                out = out.transpose(1, 2)
-            out.backward(grad)
-
-        # Turns in blocks: the entry point and the raw kernel see the same clocks and allocator state.
-        timings = time_interleaved({name: (lambda fn=fn: fwd_bwd(fn)) for name, (fn, _) in methods.items()},
-                                   warmup=args.warmup, reps=args.reps)
-        for name, (fn, _) in references.items():
-            timings[name] = time_cuda(lambda fn=fn: fwd_bwd(fn), warmup=1, reps=args.reference_reps)
-        # The rate: calls queued back to back, as in a model (the host runs ahead); `latency_ms` syncs around each.
-        queued = time_queued({name: (lambda fn=fn: fwd_bwd(fn)) for name, (fn, _) in methods.items()},
-                             calls=args.queued_calls, rounds=args.queued_rounds)
-        queued.update(time_queued({name: (lambda fn=fn: fwd_bwd(fn)) for name, (fn, _) in references.items()},
-                                  calls=2, rounds=args.reference_reps))
-        if args.profile:
-            for name, (fn, _) in methods.items():
-                profile_table(lambda fn=fn: fwd_bwd(fn), f"{args.out}/profile_{seq_len}_{name.replace('/', '_').replace(' ', '_')}.txt")
-        methods.update(references)
-        for name, (fn, flops) in methods.items():
+        lengths, q, k, v, grad = _inputs(args, seq_len, device, dtype)
+        methods, references, plan_ms = _methods(args, lengths, q, k, v, device)
+        timings, queued = _timings(args, methods, references, grad)
+        by_name = {}
+        for name, (_, flops) in {**methods, **references}.items():
             t = timings[name]
-            rows.append({
+            row = by_name[name] = {
                 "seq_len": seq_len, "docs": len(lengths), "method": name, "first_ms": t.first_ms, "ms": queued[name],
                 "latency_ms": t.median_ms, "spread_ms": max(t.runs) - min(t.runs), "tflops": flops / queued[name] / 1e9,
                 "cuda_mallocs": t.device_allocs,
-            })
+            }
             if name.startswith("ours/"):
-                rows[-1]["plan_ms"] = plan_ms[name.split("/")[1]]
-            print(rows[-1], flush=True)
-        by_name = {r["method"]: r for r in rows if r["seq_len"] == seq_len}
-        ceiling, varlen = by_name.get("sdpa one causal doc (ceiling)"), by_name.get("ours/varlen")
-        for row in by_name.values():
-            if ceiling and row is not ceiling:
-                row["vs_ceiling"] = row["tflops"] / ceiling["tflops"]  # useful TFLOP/s over the ceiling's
-            if varlen and row["method"].startswith("ours/") and row is not varlen:
-                row["vs_varlen"] = varlen["ms"] / row["ms"]
-        for backend in args.backends:
-            ours, raw, dense = by_name.get(f"ours/{backend}"), by_name.get(f"raw/{backend}"), by_name.get("dense-mask sdpa")
-            if ours and raw:
-                ours["vs_raw"] = raw["ms"] / ours["ms"]
-            if ours and dense:
-                ours["vs_dense"] = dense["ms"] / ours["ms"]
+                row["plan_ms"] = plan_ms[name.split("/")[1]]
+            print(row, flush=True)
+        _add_ratios(by_name, args.backends)
+        rows += by_name.values()
     return rows
 
 

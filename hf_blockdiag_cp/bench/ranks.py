@@ -221,8 +221,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> None:
     if args.calibrate_from:  # a fit of earlier runs' samples, pooled: no GPU needed
-        calibrate(samples_from(args.calibrate_from, canonical_kernel_name(args.backend)), args,
-                  f" (pooled: {', '.join(args.calibrate_from)})")
+        samples, env = samples_from(args.calibrate_from, canonical_kernel_name(args.backend))
+        calibrate(samples, args, env, f"-from ({len(args.calibrate_from)} runs pooled)")
         return
     rows = run(args)
     if args.calibrate:
@@ -237,17 +237,20 @@ def main(args) -> None:
     plot(rows, f"{args.out}/ranks.png")
 
 
-def calibrate(samples: list[dict], args, what: str = "") -> KernelCost:
-    """Fit the KernelCost constants to every rank's time and write them with the fit quality."""
+def calibrate(samples: list[dict], args, env: dict | None = None, what: str = "") -> KernelCost:
+    """Fit the KernelCost constants to every rank's time and write them with the fit quality. `env`: the
+    machine the samples were timed on (default: this one); `source` names it, its versions and date."""
     kernel = canonical_kernel_name(args.backend)
+    env = env or environment()
     base = kernel_cost_for(args)
     fitted, err, base_err = fit_kernel_cost(samples, base)
     fitted = KernelCost(**{**fitted.to_dict(), "source": f"bench ranks --calibrate{what}, {kernel}, {len(samples)} rank timings, "
-                                                          f"max relative error {err:.3f}; {environment().get('device', '')}"})
+                                                          f"max relative error {err:.3f}; {env.get('device', 'no GPU')}, "
+                                                          f"torch {env.get('torch')}, {env.get('date', 'undated')}"})
     out = {"kernel": kernel, "cost": fitted.to_dict(), "max_relative_error": err,
            "previous_cost": base.to_dict(), "previous_max_relative_error": base_err,
            "features": ["per_call", *FEATURES.values()],
-           "samples": samples, "env": environment(), "args": vars(args)}
+           "samples": samples, "env": env, "fitted_with": environment(), "args": vars(args)}
     write_json(f"{args.out}/kernel_cost_{kernel}.json", out)
     print(f"kernel cost for {kernel}: {fitted}\nmax relative error {err:.3f} (previous constants: {base_err:.3f})", flush=True)
     return fitted
@@ -259,13 +262,15 @@ def rank_samples(rows: list[dict]) -> list[dict]:
             for r in rows for ms, f in zip(r["rank_ms"], r["rank_features"])]
 
 
-def samples_from(paths: list[str], kernel: str) -> list[dict]:
-    """The samples of earlier `--calibrate` runs (their kernel_cost_<kernel>.json files), pooled."""
-    samples = []
+def samples_from(paths: list[str], kernel: str) -> tuple[list[dict], dict]:
+    """The samples of earlier `--calibrate` runs (their kernel_cost_<kernel>.json files), pooled, and the
+    environment of the first run (the machine they were timed on)."""
+    samples, envs = [], []
     for path in paths:
         with open(path) as f:
             values = json.load(f)
         if values.get("kernel") != kernel:
             raise ValueError(f"--calibrate-from: {path} holds samples of kernel {values.get('kernel')!r}, not {kernel!r}")
         samples += values["samples"]
-    return samples
+        envs.append(values.get("env") or {})
+    return samples, envs[0]

@@ -1,4 +1,4 @@
-"""The per-document parity reference, shared by the tests and `benchmarks/multigpu.py`.
+"""The per-document parity reference of the tests (tests/helpers/ re-exports it).
 
 Exactness (invariant I1, docs/design.md) is checked against the **stock model, unpacked**: the
 Transformers model with `attn_implementation="eager"` run on every document separately. Nothing

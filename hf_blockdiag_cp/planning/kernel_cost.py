@@ -8,7 +8,8 @@ causal (query i sees keys 0 .. a + i):
          tile_q x tile_k holding at least one allowed pair, plus fixed overheads per run and
          per query / key tile, in units of one full tile. A rank's local attention time is
          about (per_call + the sum over its runs) x `ms_per_tile`.
-Kernel records carry calibrated constants (`kernels/calibration.json`, docs/layouts.md).
+Kernel records carry calibrated constants (`kernels/calibration.json`, with the commands that refit
+them; docs/layouts.md, "Calibration").
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class KernelCost:
     per_k_tile: float = 1.32
     per_call: float = 94.7
     ms_per_tile: float = 2.84e-3
-    source: str = "bench ranks --calibrate-from, varlen, H200 (benchmarks/results/h200/2026-12-01b/pooled/kernel_cost_varlen.json)"
+    source: str = "varlen's calibration, rounded: bench ranks --calibrate-from, one NVIDIA H200, torch 2.11.0+cu130, 2026-12-01"
 
     def __post_init__(self):
         for name in ("tile_q", "tile_k"):

@@ -1,6 +1,6 @@
 """CPU smoke tests of `python -m hf_blockdiag_cp.bench kernels|model|ranks`: the scripts run end to end
 at tiny sizes and write what the GPU runs are read from (rows per method, ratios, the fit search).
-The numbers themselves mean nothing on a CPU; GPU figures come from benchmarks/run_h200.sh."""
+The numbers themselves mean nothing on a CPU; the GPU figures and their commands are in docs/performance.md."""
 
 from __future__ import annotations
 

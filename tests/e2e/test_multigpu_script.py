@@ -1,7 +1,8 @@
 """CPU smoke test of benchmarks/multigpu.py: two gloo ranks under torchrun, tiny sizes.
 
-Checks the JSON the script writes: every parity row passes (dense kernel, fp32, <= 1e-4 against
-the stock eager model run per document), attention and overlap rows have positive times.
+Checks the JSON the script writes: attention and overlap rows for every exchange x layout with
+positive times, the e2e part's steps, and the summary over runs. (The exactness of CP on several
+ranks is tested in tests/multiprocess/test_cp_parity_matrix.py and tests/gpu/test_nccl_parity.py.)
 """
 
 from __future__ import annotations
@@ -30,24 +31,14 @@ def run_script(out: Path, nproc: int, *args: str, timeout: float = 180) -> subpr
 
 def test_multigpu_script_cpu_smoke(tmp_path):
     out = tmp_path / "out"
-    proc = run_script(out, 2, "--parts", "parity,attention,overlap")
+    proc = run_script(out, 2, "--parts", "attention,overlap")
     result = json.loads((out / "multigpu_G2.json").read_text())
     assert (out / "multigpu_G2.md").exists() and (out / "raw" / "rank0.log").exists() and (out / "raw" / "rank1.log").exists()
     assert result["env"]["G"] == 2
     parts = result["parts"]
-    assert set(parts) == {"parity", "attention", "overlap"}
+    assert set(parts) == {"attention", "overlap"}
     for name, part in parts.items():
         assert part["ok"], (name, part.get("error"))
-
-    parity = parts["parity"]["rows"]
-    # 3 packs (straddle, all-padding rank, document spanning all ranks) x 3 exchanges x 2 layouts
-    assert len(parity) == 18
-    assert {r["pack"] for r in parity} == {"straddle", "padding_rank", "span_all"}
-    assert any(r["padding_ranks"] >= 1 for r in parity if r["pack"] == "padding_rank")
-    for r in parity:
-        assert r["kernel"] == "dense" and r["dtype"] == "float32"
-        assert r["status"] == "pass", r
-        assert r["loss_err"] <= 1e-4 and r["grad_err_max_param"] <= 1e-4, r
 
     attention = [r for r in parts["attention"]["rows"] if r["pack"] != "ALL"]
     assert {r["setup"] for r in attention} == {"magi", "ringflash"}
@@ -59,11 +50,20 @@ def test_multigpu_script_cpu_smoke(tmp_path):
         assert r["single_fwd_ms"] > 0 and r["fwdbwd_pct_ideal"] > 0, r
 
     overlap = parts["overlap"]["rows"]
-    assert overlap
+    assert {(r["setup"], r["exchange"], r["layout"]) for r in overlap} == {
+        (setup, x, lay) for setup in ("magi", "ringflash") for x in ("allgather", "halo", "a2a")
+        for lay in ("contiguous", "balanced")
+    }
     for r in overlap:
         for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):
             assert r[key] > 0, (key, r)
     assert "part | ok | s | headline" in proc.stdout  # the short table is printed last
+
+    summary = tmp_path / "summary"
+    subprocess.run([sys.executable, str(SCRIPT), "--summarize", str(out), "--out", str(summary)], cwd=REPO, check=True,
+                   capture_output=True, timeout=120)
+    text = (summary / "scaling.md").read_text()
+    assert text.count("| magi |") == 6 and text.count("| ringflash |") == 6  # one ALL row per exchange x layout
 
 
 def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
@@ -74,20 +74,5 @@ def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
     rows = json.loads((out / "multigpu_G2.json").read_text())["parts"]["e2e"]["rows"]
     assert [r["tokens"] for r in rows] == [256, 512, 1024]
     for r in rows:
-        assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["status"] == "ok", r
+        assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["layout"] == "contiguous" and r["status"] == "ok", r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
-
-
-def test_multigpu_script_parity_at_four_ranks(tmp_path):
-    """Issue 17's script at G = 4 (gloo, CPU, dense kernel, fp32): every kernel x exchange x layout
-    row of the parity part matches the stock model run per document (<= 1e-4), including the pack
-    with an all-padding rank and the document over all ranks."""
-    out = tmp_path / "out"
-    run_script(out, 4, "--parts", "parity", timeout=240)
-    result = json.loads((out / "multigpu_G4.json").read_text())
-    assert result["env"]["G"] == 4
-    parity = result["parts"]["parity"]["rows"]
-    assert len(parity) == 18 and {r["pack"] for r in parity} == {"straddle", "padding_rank", "span_all"}
-    assert any(r["padding_ranks"] >= 1 for r in parity if r["pack"] == "padding_rank")
-    for r in parity:
-        assert r["status"] == "pass" and r["loss_err"] <= 1e-4 and r["grad_err_max_param"] <= 1e-4, r

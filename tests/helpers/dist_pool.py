@@ -1,4 +1,5 @@
-"""A pool of spawned processes that share one real gloo process group per world size.
+"""A pool of spawned processes that share one real gloo process group per world size (or, with
+`backend="nccl"`, one NCCL group with one process per GPU: rank r on GPU r).
 
 Spawning a process re-imports torch and transformers (seconds), so each world size gets one
 group for the whole session and every test case runs inside it. A case is a module-level
@@ -28,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, port: int, inbox, outbox, backend: str = "gloo") -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -36,7 +37,12 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
     torch.set_num_threads(1)
     # A case that times out gets every thread's stack on stderr before the pool is killed (see _collect).
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    kwargs = {}
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, **kwargs)
     group = dist.group.WORLD
     outbox.put((rank, "ready", None))
     while True:
@@ -58,14 +64,14 @@ class CaseFailed(AssertionError):
 
 
 class GlooPool:
-    def __init__(self, world_size: int, start_timeout: float = 180.0):
+    def __init__(self, world_size: int, start_timeout: float = 180.0, backend: str = "gloo"):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         port = _free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self.inboxes[r], self.outbox, backend), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:

@@ -1,6 +1,6 @@
 """The independent reference: the stock model with `attn_implementation="eager"` run on every
 document separately, unpacked, and tiny models built from configs. One copy, in
-`hf_blockdiag_cp.bench.reference` (also used by benchmarks/multigpu.py); re-exported here."""
+`hf_blockdiag_cp.bench.reference`; re-exported here."""
 
 from hf_blockdiag_cp.bench.reference import (  # noqa: F401 (re-exported)
     COMMON_CONFIG,

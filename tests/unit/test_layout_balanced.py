@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from hf_blockdiag_cp.planning import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, ideal_cost, layout_cost, rank_cost, rank_work
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
+from helpers.layout_checks import check_valid
 
 TOLERANCE = 0.05
 
@@ -57,17 +58,6 @@ def reference_remote_rows(document_ids: list[int], rows: list[list[int]]) -> lis
 
 def padded_ids(layout) -> list[int]:
     return layout.document_ids.tolist()
-
-
-def check_valid(layout, cp_size: int, seq_len: int) -> None:
-    slots = layout.slot_positions
-    s_pad = layout.padded_seq_len
-    assert s_pad % (2 * cp_size) == 0 and s_pad >= seq_len
-    assert slots.shape == (cp_size, s_pad // cp_size)
-    assert torch.equal(torch.sort(slots.reshape(-1)).values, torch.arange(s_pad)), "not a permutation"
-    assert bool((slots[:, 1:] > slots[:, :-1]).all()), "rows of a rank are not in increasing pack order"
-    tok = layout.token_indices
-    assert torch.equal(tok == -1, slots >= seq_len)
 
 
 def assert_within_bound(work: list[int], contiguous_work: list[int], layout) -> None:
