@@ -11,8 +11,9 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import unsupported_reason
+from helpers.bf16_parity import assert_bf16, bf16_errors, cp_loss_and_grads
 from helpers.packs import make_pack
-from helpers.reference import build_models, mean_over_group, reference_loss_and_grads, rel_err
+from helpers.reference import build_models, reference_loss_and_grads, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -20,27 +21,8 @@ GPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 7}))
 
 
-def _flat(grads: dict, names) -> torch.Tensor:
-    return torch.cat([grads[n].float().reshape(-1).cpu() for n in names])
-
-
 def _config(backend: str) -> bdcp.CPConfig:
     return bdcp.CPConfig(attn_backend=backend, kv_exchange="allgather")
-
-
-def _cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True):
-    device = torch.device("cuda")
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.zero_grad(set_to_none=True)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
-    with train_ctx():
-        loss = model(**local).loss
-        loss.backward()
-    grads = {n: mean_over_group(p.grad if p.grad is not None else torch.zeros_like(p), group, world_size)
-             for n, p in model.named_parameters()}
-    return mean_over_group(loss, group, world_size), grads
 
 
 def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES):
@@ -57,14 +39,8 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
         stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
         loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
         model = model.cuda().to(torch.bfloat16)
-        loss_cp, grads_cp = _cp_loss_and_grads(model, batch, group, world_size, _config(backend))
-        names = list(grads32)
-        out[family] = {
-            "stock_grad_err": rel_err(_flat(grads_s, names), _flat(grads32, names)),
-            "cp_grad_err": rel_err(_flat(grads_cp, names), _flat(grads32, names)),
-            "stock_loss_err": rel_err(loss_s.float().cpu(), loss32.cpu()),
-            "cp_loss_err": rel_err(loss_cp.cpu(), loss32.cpu()),
-        }
+        loss_cp, grads_cp, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend))
+        out[family] = bf16_errors((loss32, grads32), (loss_s, grads_s), (loss_cp, grads_cp))
     return out
 
 
@@ -78,16 +54,9 @@ def fp32_parity_case(rank, world_size, group, backend, layout="straddle", famili
         ref, model = ref.cuda(), model.cuda()
         docs, batch = make_pack(layout, world_size)
         loss_ref, grads_ref = reference_loss_and_grads(ref, [d.cuda() for d in docs])
-        loss, grads = _cp_loss_and_grads(model, batch, group, world_size, _config(backend))
+        loss, grads, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend))
         worst = max([worst, rel_err(loss.cpu(), loss_ref.cpu())] + [rel_err(grads[n].cpu(), grads_ref[n].cpu()) for n in grads_ref])
     return worst
-
-
-def _assert_bf16(results):
-    for rank, per_family in enumerate(results):
-        for family, e in per_family.items():
-            assert e["cp_grad_err"] <= 1.5 * e["stock_grad_err"], f"rank {rank} {family}: {e}"
-            assert e["cp_loss_err"] <= 1e-2, f"rank {rank} {family}: {e}"
 
 
 @pytest.mark.parametrize("backend", ["flex", "dense"])
@@ -98,13 +67,13 @@ def test_fp32_parity_cp1(gloo, backend):
 @pytest.mark.parametrize("backend", ["varlen", "flex", "dense"])
 @pytest.mark.parametrize("layout", ["straddle", "single_tokens", "single_doc"])
 def test_bf16_parity_cp1(gloo, backend, layout):
-    _assert_bf16(gloo(1).run(bf16_parity_case, backend=backend, layout=layout))
+    assert_bf16(gloo(1).run(bf16_parity_case, backend=backend, layout=layout))
 
 
 @pytest.mark.parametrize("backend", ["varlen", "flex", "dense"])
 @pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (2, "padding_rank"), (4, "span_all"), (4, "padding_rank")])
 def test_bf16_parity_gloo_on_gpu(gloo, backend, world_size, layout):
-    _assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout))
+    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout))
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -138,7 +107,7 @@ def sync_free_case(rank, world_size, group, backend, head_dim=GPU_MODEL["head_di
         model = model.cuda().to(torch.bfloat16)
         for _ in range(2):  # the first step compiles and builds the step's masks
             _, batch = make_pack("straddle", world_size)
-            _cp_loss_and_grads(model, batch, group, world_size, config)
+            cp_loss_and_grads(model, batch, group, world_size, config)
         model.zero_grad(set_to_none=True)
         batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_pack("straddle", world_size)[1].items()}
         train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)  # host planning: may sync

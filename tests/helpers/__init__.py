@@ -4,6 +4,8 @@
 - `reference`, `packs`: the per-document parity reference and named pack layouts; one copy, in
   `hf_blockdiag_cp.bench.reference` (the multi-GPU benchmark uses it too), re-exported here.
 - `parity`: the dense parity case (`parity_case`), its families and tolerance.
+- `bf16_parity`: the bf16 criterion of the GPU tests (errors compared with the stock bf16 model's)
+  and the CP step they measure.
 - `layouts`: packs, layouts and hypothesis strategies of the planning tests.
 - `model_zoo`, `model_packs`: tiny configs of every covered model family and their packs.
 - `kernel_inputs`: random q/k/v over a planned layout for the kernel feature tests.
