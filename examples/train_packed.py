@@ -311,6 +311,41 @@ def write_outputs(output_dir: Path, metrics: dict, title: str | None = None) -> 
 # --------------------------------------------------------------------------- training
 
 
+def build_optimizer(args, model) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9/0.95, no weight decay) or plain SGD, as `--optimizer` says."""
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def run_metrics(args, place, device, losses, real_tokens, elapsed, model, num_documents) -> dict:
+    """What metrics.json records of a run (the same on every rank)."""
+    packs = args.steps * args.packs_per_step
+    return {
+        "losses": losses,
+        "tokens_per_second": real_tokens / elapsed,
+        "cp_size": place.cp_size,
+        "dp_size": place.dp_size,
+        "world_size": place.world_size,
+        "steps": args.steps,
+        "packs_per_step": args.packs_per_step,
+        "max_tokens": args.max_tokens,
+        "packing_efficiency": real_tokens / (packs * args.max_tokens),
+        "real_tokens": real_tokens,
+        "wall_time_s": elapsed,
+        "seed": args.seed,
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "engine": "single" if place.world_size == 1 else ("fsdp2" if args.fsdp else "ddp"),
+        "device": device.type,
+        "dtype": "bf16-autocast" if args.bf16 else "fp32",
+        "model": args.model or "tiny-llama (config)",
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "num_documents": num_documents,
+        "loss": "token-weighted mean cross-entropy over all target tokens of the step's packs",
+    }
+
+
 def train(args) -> dict:
     """Run `args.steps` optimizer steps on this rank; every rank returns the same metrics."""
     from tqdm.auto import tqdm
@@ -331,10 +366,7 @@ def train(args) -> dict:
     if args.fused_ce:
         enable_fused_cross_entropy(model)
     model = wrap_model(model, mesh, fsdp=args.fsdp)
-    if args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = build_optimizer(args, model)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16)
 
     losses, real_tokens, started = [], 0, None
@@ -372,30 +404,7 @@ def train(args) -> dict:
             tqdm.write(f"step {step:4d}  loss {step_loss:.6f}")
     bar.close()
     elapsed = time.perf_counter() - started
-    packs = args.steps * args.packs_per_step
-    metrics = {
-        "losses": losses,
-        "tokens_per_second": real_tokens / elapsed,
-        "cp_size": place.cp_size,
-        "dp_size": place.dp_size,
-        "world_size": place.world_size,
-        "steps": args.steps,
-        "packs_per_step": args.packs_per_step,
-        "max_tokens": args.max_tokens,
-        "packing_efficiency": real_tokens / (packs * args.max_tokens),
-        "real_tokens": real_tokens,
-        "wall_time_s": elapsed,
-        "seed": args.seed,
-        "lr": args.lr,
-        "optimizer": args.optimizer,
-        "engine": "single" if place.world_size == 1 else ("fsdp2" if args.fsdp else "ddp"),
-        "device": device.type,
-        "dtype": "bf16-autocast" if args.bf16 else "fp32",
-        "model": args.model or "tiny-llama (config)",
-        "num_parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
-        "num_documents": len(dataset),
-        "loss": "token-weighted mean cross-entropy over all target tokens of the step's packs",
-    }
+    metrics = run_metrics(args, place, device, losses, real_tokens, elapsed, unwrap_model(model), len(dataset))
     if place.is_main:
         print(json.dumps({"losses": losses, "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
         if args.output_dir:

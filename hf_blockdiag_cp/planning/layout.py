@@ -156,7 +156,7 @@ def plan_layout(
     strategy "contiguous": rank r holds rows `[r·L, (r+1)·L)`. "balanced": each rank's
     predicted attention cost (`kernel_cost`, default `DEFAULT_KERNEL_COST`; `PAIR_COUNT`
     balances allowed pairs) is within `tolerance` of the ideal where the pack allows it
-    (algorithm and bound in `planning.balance`); it equals the contiguous layout whenever
+    (algorithm and bound: docs/layouts.md); it equals the contiguous layout whenever
     that is already balanced. Other strategies can be added with `register_layout_strategy`.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:

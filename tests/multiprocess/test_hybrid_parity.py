@@ -10,7 +10,9 @@ give the losses of cp = 1.
 
 from __future__ import annotations
 
+
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -69,7 +71,9 @@ def _run(model, batch, group, strategy, checkpointing):
     model = copy.deepcopy(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_ctx, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy, config=CONFIG)
+    train_ctx, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(
+        group, None, batch, config=dataclasses.replace(CONFIG, layout=strategy)
+    )
     with train_ctx():
         loss = model(**local).loss
         loss.backward()

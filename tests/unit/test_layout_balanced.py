@@ -61,7 +61,7 @@ def padded_ids(layout) -> list[int]:
 
 
 def assert_within_bound(work: list[int], contiguous_work: list[int], layout) -> None:
-    """The guarantee stated in hf_blockdiag_cp.planning.balance: never worse than contiguous chunks, and
+    """The guarantee stated in docs/layouts.md ("How the balanced layout is built"): never worse than contiguous chunks, and
     max work <= max((1 + eps) T, T + l_max)."""
     assert max(work) <= max(contiguous_work)
     mean = sum(work) / len(work)
