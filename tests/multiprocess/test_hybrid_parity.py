@@ -10,7 +10,6 @@ give the losses of cp = 1.
 
 from __future__ import annotations
 
-
 import copy
 import dataclasses
 
