@@ -160,11 +160,13 @@ class _PackedSdpaMode(TorchFunctionMode):
 
 @dataclass(eq=False)
 class _Frame:
-    """A hooked forward in progress: its module, the mode it entered (outermost only), SDPA calls."""
+    """A hooked forward in progress: its module, the mode it entered (outermost only), SDPA calls, and
+    the exception being handled when it started (a forward may run inside an `except` block)."""
 
     module: torch.nn.Module
     mode: _PackedSdpaMode | None
     calls: int = 0
+    handling: BaseException | None = field(default_factory=lambda: sys.exc_info()[1])
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # hooks objects not removed yet; no pack lives here
@@ -254,7 +256,8 @@ class Cp1PackedHooks:
             del self._frames[tid]
             frame.mode.__exit__(None, None, None)
         # Module._call_impl runs always_call hooks inside its `except`: skip the check when the forward raised.
-        if frame.calls == 0 and self._state is not None and sys.exc_info()[0] is None:
+        raised = sys.exc_info()[1] is not frame.handling
+        if frame.calls == 0 and self._state is not None and not raised:
             raise RuntimeError(
                 f"cp1 packed attention: {self._labels[id(module)]} ran its forward with a pack armed but made no "
                 "scaled_dot_product_attention call, so its attention (eager, flash_attn, ...) was not made per "

@@ -267,13 +267,21 @@ def test_explicit_causal_mask_is_stock_unarmed_and_raises_armed():
         model(ids)
 
 
-def test_hooked_forward_without_sdpa_raises():
+@pytest.mark.parametrize("inside_except", [False, True])
+def test_hooked_forward_without_sdpa_raises(inside_except):
+    """Also when the forward runs while an exception is being handled (a retry loop's `except`)."""
     model = ToyLM()
     model.blocks[0].attn.how = "manual"
     attach_cp1_packed_varlen_hooks(model)
     enable_cp1_packed_varlen(document_ids_from_lengths(LENGTHS))
+    ids = torch.cat(make_docs(LENGTHS))[None]
     with pytest.raises(RuntimeError, match=r"blocks\.0\.attn \(ToyAttention\).*made no scaled_dot_product_attention"):
-        model(torch.cat(make_docs(LENGTHS))[None])
+        if not inside_except:
+            model(ids)
+        try:
+            raise KeyError("an earlier failure the caller is handling")
+        except KeyError:
+            model(ids)
 
 
 def test_hf_eager_attention_raises():
