@@ -1,11 +1,17 @@
-"""`bench model`: a Hugging Face causal LM (default: a 1.2B Llama-architecture config) fwd+bwd
-on packed batches, `blockdiag_cp` at cp=1 vs HF `sdpa` vs HF `flex_attention`, one GPU.
+"""`bench model`: a Hugging Face causal LM (default: a 1.2B Llama-architecture config; `--arch
+qwen3_5`: a ~1B Qwen3.5-style gated delta-rule hybrid) fwd+bwd on packed batches,
+`blockdiag_cp` at cp=1 vs HF `sdpa` vs HF `flex_attention`, one GPU.
 
-Methods: `blockdiag_cp/<kernel>` (any kernel name or `auto`), `hf_sdpa`, `hf_flex`; a `+fce`
-suffix runs the method with Liger's fused linear cross-entropy as the loss
-(`integrations.liger`), so HF `flex_attention` + fused CE is the fair baseline of ours + fused CE.
+Methods: `blockdiag_cp/<kernel>` (any kernel name or `auto`; the model patches applied),
+`hf_sdpa`, `hf_flex` (the stock model on the same pack with position_ids: exact for attention,
+not for a hybrid's linear-attention layers, which run across documents), `hf_padded` (the stock
+model with sdpa on the pack's documents unpacked and right-padded, `--padded-tokens` per batch;
+tokens/s counts real tokens only); a `+fce` suffix runs the method with Liger's fused linear
+cross-entropy as the loss (`integrations.liger`), so HF `flex_attention` + fused CE is the fair
+baseline of ours + fused CE.
 Reports tokens/s (steady state, median), the first step's time (compilation and plan
-building included) and peak memory; optionally the largest packed length that fits per method.
+building included), peak memory and ours / each baseline per length; optionally the largest
+packed length that fits per method.
 """
 
 from __future__ import annotations
@@ -20,26 +26,9 @@ import torch
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from ..integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
 from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, profile_table, write_json
+from .model_hybrid import CONFIGS, TIMING_DEFAULTS, Models, build_models, padded_batches, padded_step
 
-CONFIG_1B = dict(
-    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=64, max_position_embeddings=1 << 20, rope_theta=500000.0, tie_word_embeddings=True,
-)
-
-
-def build_model(args):
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
-
-    config = AutoConfig.from_pretrained(args.model) if args.model else LlamaConfig(**CONFIG_1B)
-    config.use_cache = False
-    if args.layers:
-        config.num_hidden_layers = args.layers
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
-    model.to(args.device).train()
-    if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model
+HF_IMPLS = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "hf_padded": "sdpa"}
 
 
 def packed_batch(seq_len: int, vocab: int, mean_doc_len: float, seed: int, device: str):
@@ -62,14 +51,14 @@ def set_fused_cross_entropy(model, on: bool) -> None:
         model.__dict__.pop("forward", None)  # back to the class's forward (stock loss)
 
 
-def step_fn(model, method: str, batch: dict):
-    """(attention implementation, fused CE on?, one fwd+bwd step) of `method`."""
+def step_fn(models: Models, method: str, lengths: list[int], batch: dict, args):
+    """(model, attention implementation, fused CE on?, one fwd+bwd step, row extras) of `method`."""
     base, _, extra = method.partition("+")
     if extra not in ("", "fce"):
         raise SystemExit(f"method {method!r}: the only suffix is +fce (fused linear cross-entropy)")
     fused = extra == "fce"
     if base.startswith("blockdiag_cp"):
-        config = CPConfig(base.split("/")[1], "allgather")
+        config, model = CPConfig(base.split("/")[1], "allgather"), models.ours
 
         def run():
             ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=config)
@@ -77,15 +66,26 @@ def step_fn(model, method: str, batch: dict):
                 model(**local).loss.backward()
             model.zero_grad(set_to_none=True)
 
-        return "blockdiag_cp", fused, run
+        return model, "blockdiag_cp", fused, run, {"patches": list(models.patches)}
+    if base not in HF_IMPLS:
+        raise SystemExit(f"method {method!r}: expected blockdiag_cp/<kernel>, {', '.join(HF_IMPLS)} (optionally +fce)")
+    model, extras = models.stock, {"patches": []}
+    if base == "hf_padded":
+        budget = batch["input_ids"].shape[1] if args.padded_tokens is None else args.padded_tokens
+        batches, weights, padded = padded_batches(lengths, batch["input_ids"], budget)
+        inner = padded_step(model, batches, weights)
+        extras.update(padded_tokens=padded, padded_batches=len(batches))
+    else:
 
-    impl = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention"}[base]
+        def inner():
+            model(**batch).loss.backward()
 
     def run():
-        model(**batch).loss.backward()
+        with models.stock_kernels():
+            inner()
         model.zero_grad(set_to_none=True)
 
-    return impl, fused, run
+    return model, HF_IMPLS[base], fused, run, extras
 
 
 def _one_step(model, impl: str, fused: bool, run) -> tuple[float, float] | None:
@@ -109,15 +109,15 @@ def _one_step(model, impl: str, fused: bool, run) -> tuple[float, float] | None:
     return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
 
 
-def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
+def measure(models: Models, methods: list[str], seq_len: int, args) -> list[dict]:
     """Every method on the same pack, in blocks of `args.block_steps` consecutive steps, methods
     taking turns for `args.rounds` rounds (ABCABC), so drift hits them alike. The first step of a
     block is not timed: it re-warms the allocator after another method's memory pattern. The very
     first step of a method (compilation, plan building) is reported as `first_s`; steady state is
     the median of the timed steps. Methods in `args.one_block` (slow baselines) get one block."""
-    lengths, batch = packed_batch(seq_len, model.config.vocab_size, args.mean_doc_len, args.seed, args.device)
-    rows = {m: {"method": m, "seq_len": seq_len, "docs": len(lengths)} for m in methods}
-    runs = {m: step_fn(model, m, batch) for m in methods}
+    lengths, batch = packed_batch(seq_len, models.stock.config.vocab_size, args.mean_doc_len, args.seed, args.device)
+    runs = {m: step_fn(models, m, lengths, batch, args) for m in methods}
+    rows = {m: {"method": m, "seq_len": seq_len, "docs": len(lengths), **runs[m][4]} for m in methods}
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, float] = {m: float("-inf") for m in methods}
     for round_ in range(args.rounds):
@@ -126,7 +126,7 @@ def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
                 continue
             for i in range(args.block_steps):
                 before = compile_counters()
-                result = _one_step(model, *runs[m])
+                result = _one_step(*runs[m][:4])
                 for key, value in compile_counters().items():
                     rows[m][key] = rows[m].get(key, 0) + value - before.get(key, 0)
                 if result is None:
@@ -142,7 +142,7 @@ def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
         for m in methods:
             if times[m]:
                 name = m.replace("/", "_").replace("+", "_")
-                profile_table(lambda m=m: _one_step(model, *runs[m]), f"{args.out}/profile_{seq_len}_{name}.txt", calls=1)
+                profile_table(lambda m=m: _one_step(*runs[m][:4]), f"{args.out}/profile_{seq_len}_{name}.txt", calls=1)
     for m, row in rows.items():
         if times[m]:
             step_s = statistics.median(times[m])
@@ -156,18 +156,37 @@ def measure(model, methods: list[str], seq_len: int, args) -> list[dict]:
     return list(rows.values())
 
 
+def ratios(rows: list[dict]) -> list[dict]:
+    """Tokens/s of each `blockdiag_cp` method over each baseline measured at the same length in the same run."""
+    out = []
+    for seq_len in dict.fromkeys(r["seq_len"] for r in rows):
+        rate = {r["method"]: r.get("tokens_per_s") for r in rows if r["seq_len"] == seq_len}
+        for ours in (m for m in rate if m.startswith("blockdiag_cp") and rate[m]):
+            for base in (m for m in rate if not m.startswith("blockdiag_cp") and rate[m]):
+                out.append({"seq_len": seq_len, "ours": ours, "baseline": base, "ratio": rate[ours] / rate[base]})
+    return out
+
+
+def ratio_lines(result: dict) -> str:
+    return "\n".join(f"{r['seq_len']}: {r['ours']} / {r['baseline']} = {r['ratio']:.3f}x" for r in result["ratios"])
+
+
 def run(args, report=lambda result: None) -> dict:
     """Every method at every length, then the largest-fitting search; `report` gets the partial
     result after each length, so a run cut short by a time limit keeps what it measured."""
-    model = build_model(args)
-    result = {"rows": [], "fit_rows": [], "largest_fitting": {}}
+    models = build_models(args)
+    parameters = sum(p.numel() for p in models.stock.parameters())
+    result = {"parameters": parameters, "rows": [], "fit_rows": [], "largest_fitting": {}, "ratios": []}
     for s in args.seq_lens:
-        result["rows"].extend(measure(model, list(args.methods), s, args))
+        rows = measure(models, list(args.methods), s, args)
+        result["rows"].extend(rows)
+        result["ratios"] = ratios(result["rows"])
+        print(ratio_lines({"ratios": ratios(rows)}), flush=True)
         report(result)
     for method in args.fit_methods:
         result["largest_fitting"][method] = None
         for s in args.fit_lens:
-            (row,) = measure(model, [method], s, args)
+            (row,) = measure(models, [method], s, args)
             result["fit_rows"].append(row)
             if row.get("oom"):
                 break
@@ -178,7 +197,10 @@ def run(args, report=lambda result: None) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="hub id or local path of a config; default: 1.2B Llama-architecture config")
+    p.add_argument("--model", default=None, help="hub id or local path of a config (overrides --arch)")
+    p.add_argument("--arch", choices=sorted(CONFIGS), default="llama",
+                   help="default config: llama (1.2B Llama), qwen3_5 (~1B Qwen3.5-style gated delta-rule hybrid)")
+    p.add_argument("--tiny", action="store_true", help="--arch at toy sizes (CPU smoke runs)")
     p.add_argument("--seq-lens", type=int, nargs="*", default=[16384, 32768, 65536], help="none: only the --fit-methods search")
     p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
     p.add_argument("--fit-methods", nargs="*", default=[])
@@ -187,9 +209,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick compile probes)")
     p.add_argument("--mean-doc-len", type=float, default=2048)
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
-    p.add_argument("--block-steps", type=int, default=3, help="consecutive steps per method and round (the first untimed)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of blocks, methods taking turns")
+    p.add_argument("--block-steps", type=int, default=None,
+                   help="consecutive steps per method and round (the first untimed); default 3")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of blocks, methods taking turns; default 2 (qwen3_5: 1)")
     p.add_argument("--one-block", nargs="*", default=["hf_sdpa"], help="methods measured in the first round only")
+    p.add_argument("--padded-tokens", type=int, default=None,
+                   help="hf_padded: padded tokens per batch (gradients accumulated); default the pack length; 0: one batch")
+    p.add_argument("--stock-delta-rule", choices=["torch", "installed"], default="torch",
+                   help="stock model's gated delta-rule kernels: Transformers' torch ones (as the patch) or what it picked")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true", help="one more step per method under the profiler (profile_*.txt)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
@@ -197,20 +224,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "timed_steps", "tokens_per_s", "peak_gib", "oom",
-           "frames_compiled", "graphs_compiled"]
+           "frames_compiled", "graphs_compiled", "padded_tokens"]
+
+
+TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid"}
 
 
 def _write(args, result) -> str:
     table = markdown_table(result["rows"] + result["fit_rows"], COLUMNS)
-    largest = "largest fitting pack: " + str(result["largest_fitting"])
+    footer = "ours / baselines (tokens/s):\n" + ratio_lines(result)
+    footer += "\n\nlargest fitting pack: " + str(result["largest_fitting"])
     write_json(f"{args.out}/model.json", {"env": environment(), "args": vars(args), **result})
     with open(f"{args.out}/model.md", "w") as f:
-        f.write(table + "\n\n" + largest + "\n")
-    return table + "\n" + largest
+        f.write(table + "\n\n" + footer + "\n")
+    return table + "\n" + footer
 
 
 def main(args) -> None:
+    block_steps, rounds = TIMING_DEFAULTS[args.arch]
+    args.block_steps = block_steps if args.block_steps is None else args.block_steps
+    args.rounds = rounds if args.rounds is None else args.rounds
     result = run(args, report=lambda partial: _write(args, partial))
     print(_write(args, result))
-    title = f"{args.model or '1.2B Llama-architecture'} model, one GPU, cp=1"
+    title = f"{args.model or TITLES[args.arch]} model, one GPU, cp=1"
     line_plot(result["rows"], "tokens_per_s", "tokens/s (fwd+bwd)", title, f"{args.out}/model.png")

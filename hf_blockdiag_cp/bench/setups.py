@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import histogram_lengths
-from .model import CONFIG_1B
+from .model_hybrid import CONFIG_1B
 
 HIST_CSV = Path(__file__).with_name("data") / "doc_length_distribution.csv"
 

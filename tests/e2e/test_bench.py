@@ -5,10 +5,13 @@ The numbers themselves mean nothing on a CPU; the GPU figures and their commands
 from __future__ import annotations
 
 import json
+import math
 
+import torch
 from transformers import LlamaConfig
 
 from hf_blockdiag_cp.bench.__main__ import main as bench_main
+from hf_blockdiag_cp.bench.model_hybrid import padded_batches
 
 
 def test_bench_kernels_cpu_smoke(tmp_path):
@@ -34,6 +37,39 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert ours["timed_steps"] == 2 and sdpa["timed_steps"] == 1  # hf_sdpa: one block by default
     assert ours["tokens_per_s"] > 0 and ours["first_s"] > 0
     assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
+
+
+def test_bench_model_hybrid_cpu_smoke(tmp_path):
+    """`--arch qwen3_5`: ours on the patched copy, the stock baselines (packed, and the documents
+    unpacked and padded) on the unpatched model, ratios of ours over each baseline."""
+    methods = ["blockdiag_cp/dense", "hf_sdpa", "hf_padded"]
+    bench_main(["model", "--arch", "qwen3_5", "--tiny", "--device", "cpu", "--layers", "4", "--seq-lens", "256",
+                "--methods", *methods, "--mean-doc-len", "64", "--dtype", "float32", "--block-steps", "2",
+                "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "model.json").read_text())
+    rows = result["rows"]
+    assert [(r["method"], r["seq_len"]) for r in rows] == [(m, 256) for m in methods]
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["timed_steps"] == 1 for r in rows)
+    assert [r["patches"] for r in rows] == [["gated_delta_packed"], [], []]  # the baselines ran the stock model
+    padded = rows[2]
+    assert padded["padded_tokens"] >= 256 and padded["padded_batches"] >= 1
+    assert [(r["ours"], r["baseline"]) for r in result["ratios"]] == [(methods[0], "hf_sdpa"), (methods[0], "hf_padded")]
+    assert result["args"]["rounds"] == 1  # the hybrid's default
+
+
+def test_padded_batches_hold_every_document_once():
+    """`hf_padded`'s batches: each document once, right-padded, within the token budget, losses weighted to the pack's mean."""
+    lengths = [5, 1, 9, 3, 2]
+    ids = torch.arange(1, 21)[None]
+    batches, weights, padded = padded_batches(lengths, ids, budget=12)
+    docs = sorted(tuple(row[mask.bool()].tolist()) for b in batches for row, mask in zip(b["input_ids"], b["attention_mask"]))
+    starts = [0, 5, 6, 15, 18]
+    assert docs == sorted(tuple(range(s + 1, s + n + 1)) for s, n in zip(starts, lengths))
+    assert all(b["input_ids"].numel() <= 12 or b["input_ids"].shape[0] == 1 for b in batches)
+    assert all(torch.equal(b["labels"] == -100, b["attention_mask"] == 0) for b in batches)
+    assert math.isclose(sum(weights), 1.0) and padded == sum(b["input_ids"].numel() for b in batches)
+    (one,), _, _ = padded_batches(lengths, ids, budget=0)
+    assert one["input_ids"].shape == (5, 9)
 
 
 def test_bench_ranks_cpu_smoke(tmp_path):

@@ -13,17 +13,15 @@ Skipped without CUDA, and per family where the installed Transformers lacks it.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
-import inspect
-import sys
 
 import pytest
 import torch
 import transformers
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.model_patches.gated_delta_kernels import stock_torch_kernels
 from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
 from helpers.bf16_parity import GRAD_FACTOR, assert_bf16, bf16_errors, cp_loss_and_grads
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair
@@ -68,24 +66,6 @@ def hybrid_pack(seed: int = 6):
 def _kernels(step) -> list[str]:
     """The attention kernels the step resolved (`auto`) for its layers."""
     return sorted({v.name for k, v in step.mask_cache.items() if isinstance(k, tuple) and k and k[0] == "kernel"})
-
-
-@contextlib.contextmanager
-def stock_torch_kernels(model):
-    """Run the stock model's gated delta-rule layers on Transformers' own torch functions even where
-    flash-linear-attention or causal-conv1d is installed (Transformers picks those at import): the
-    reference stays exact fp32, the stock bf16 run rounds like the patch's torch path, and fla's
-    gated backward, which refuses itself on the H200 image (docs/models.md), is never called."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
-    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names]
-    for mod, name, fn in saved:
-        setattr(mod, name, inspect.unwrap(fn))
-    try:
-        yield
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
 
 
 def hybrid_bf16_case(rank, world_size, group, family, device="cuda"):

@@ -1,0 +1,141 @@
+"""Models and the padded baseline of `bench model`: the default config of each `--arch`, the
+stock / patched model pair, and the same documents unpacked and padded (`hf_padded`).
+
+`--arch qwen3_5` is a ~1B Qwen3.5-style text hybrid: the released models' ratios scaled to
+hidden 2048 (three gated delta-rule layers then one full-attention layer, repeated; linear
+attention with twice as many value heads as key heads, key width hidden / 2, value width
+hidden; full attention at head dim 256 with 4 query heads per KV head; MLP 3x hidden), with
+the Llama config's vocabulary so the two architectures compare. Ours runs on a deep copy with
+the model patches applied; the stock baselines run on the unpatched model, on Transformers' own
+torch convolution and delta rule unless `--stock-delta-rule installed`, so that both sides run
+the same kernels (the patch's torch path calls those same torch functions per document).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..model_patches import apply_model_patches, patches_for
+from ..model_patches.gated_delta_kernels import stock_torch_kernels
+
+CONFIG_1B = dict(
+    vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=64, max_position_embeddings=1 << 20, rope_theta=500000.0, tie_word_embeddings=True,
+)
+CONFIGS = {
+    "llama": ("LlamaConfig", CONFIG_1B),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=6144, num_hidden_layers=16, full_attention_interval=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=1 << 20,
+        rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
+        tie_word_embeddings=True,
+    )),
+}
+# `--tiny`: the same architecture at toy sizes (CPU smoke runs of the script).
+TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+# (block steps, rounds) per architecture when not given: the hybrid's stock delta rule is slow.
+TIMING_DEFAULTS = {"llama": (3, 2), "qwen3_5": (3, 1)}
+
+
+def build_config(args):
+    """`--model`'s config, else `--arch`'s default (shrunk by `--tiny`); `--layers` applied, no cache."""
+    import transformers
+
+    if args.model:
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        if args.layers:
+            config.num_hidden_layers = args.layers
+            if getattr(config, "layer_types", None):
+                config.layer_types = config.layer_types[: args.layers]
+    else:
+        class_name, fields = CONFIGS[args.arch]
+        fields = dict(fields, **(TINY if args.tiny else {}))
+        if args.tiny and "linear_num_key_heads" in fields:
+            fields.update(TINY_LINEAR)
+        if args.layers:
+            fields["num_hidden_layers"] = args.layers
+        config = getattr(transformers, class_name)(**fields)
+    config.use_cache = False
+    return config
+
+
+@dataclass
+class Models:
+    """`stock`: the model as Transformers builds it (baselines); `ours`: the same weights with the
+    model patches the architecture needs (the same object when it needs none; `patches` names
+    them). `stock_kernels()` is the context the stock steps run in."""
+
+    stock: torch.nn.Module
+    ours: torch.nn.Module
+    patches: tuple[str, ...]
+    stock_kernels: Callable[[], contextlib.AbstractContextManager]
+
+
+def build_models(args) -> Models:
+    from transformers import AutoModelForCausalLM
+
+    config = build_config(args)
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
+    stock.to(args.device).train()
+    ours, patches = stock, ()
+    if patches_for(config):
+        methods = list(args.methods) + list(args.fit_methods)
+        ours = copy.deepcopy(stock) if any(not m.startswith("blockdiag_cp") for m in methods) else stock
+        patches = apply_model_patches(ours)
+    for model in {id(stock): stock, id(ours): ours}.values():
+        if args.checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.stock_delta_rule == "torch":
+        stock_kernels = functools.partial(stock_torch_kernels, stock)
+    else:
+        stock_kernels = contextlib.nullcontext
+    return Models(stock, ours, patches, stock_kernels)
+
+
+def padded_batches(lengths: list[int], input_ids: torch.Tensor, budget: int) -> tuple[list[dict], list[float], int]:
+    """The pack's documents unpacked, longest first, right-padded into batches `[n, longest]` of at
+    most `budget` padded tokens (0: one batch of every document), with attention_mask and labels
+    (-100 on padding). Returns the batches, each batch's share of the pack's predicted tokens (so
+    the weighted sum of their mean losses is the pack's mean) and the padded token count."""
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (budget <= 0 or (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    predicted = max(1, sum(n - 1 for n in lengths))
+    batches, weights, padded = [], [], 0
+    for group in groups:
+        width = lengths[group[0]]
+        ids = torch.zeros(len(group), width, dtype=input_ids.dtype, device=input_ids.device)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(group):
+            ids[row, : lengths[i]] = input_ids[0, starts[i] : starts[i] + lengths[i]]
+            mask[row, : lengths[i]] = 1
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+        weights.append(sum(lengths[i] - 1 for i in group) / predicted)
+        padded += ids.numel()
+    return batches, weights, padded
+
+
+def padded_step(model, batches: list[dict], weights: list[float]) -> Callable[[], None]:
+    """One fwd+bwd over every padded batch (gradients accumulated), as one training step."""
+
+    def step():
+        for batch, weight in zip(batches, weights):
+            (model(**batch).loss * weight).backward()
+
+    return step
