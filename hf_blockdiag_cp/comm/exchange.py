@@ -102,7 +102,7 @@ def resolve_group(ref):
         return None
     group = ref()
     if group is None:
-        raise RuntimeError("blockdiag_cp: the CP process group was released while one of its K/V exchanges still needed it")
+        raise RuntimeError("blockdiag_cp: the CP process group was released while a backward collective still needed it")
     return group
 
 

@@ -59,7 +59,7 @@ def guarded(what: str, group, fn, *args):
         fail_group(group, f"{what} failed")
         if hasattr(exc, "add_note"):
             exc.add_note(
-                f"blockdiag_cp: the K/V {what} failed; a peer rank of the CP group has probably raised or exited "
+                f"blockdiag_cp: the CP group's {what} failed; a peer rank of the CP group has probably raised or exited "
                 "(see the other ranks' errors)"
             )
         raise

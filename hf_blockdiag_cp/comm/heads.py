@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .exchange import group_ref, resolve_group
 from .failure import guarded
 
 
@@ -36,12 +37,12 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group_ref = group_ref(group)  # weakly: a graph kept after a failure must not keep the group alive
         return _all_to_all(x.detach().contiguous(), group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad.contiguous(), ctx.group), None
+        return _all_to_all(grad.contiguous(), resolve_group(ctx.group_ref)), None
 
 
 def all_to_all_blocks(x: torch.Tensor, group, world_size: int) -> torch.Tensor:

@@ -179,7 +179,7 @@ def make_cp_blockdiag_batch_and_ctx(
         step = build_step(
             info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan
         )
-    except (ValueError, TypeError, AssertionError) as exc:
+    except Exception as exc:  # any rank's failure reaches its peers through the consensus below (I5)
         error = exc
     if not agreement_values:  # this rank failed before it had a fingerprint: zeros, flagged as failed
         agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0).values()
