@@ -215,11 +215,11 @@ class Cp1PackedHooks:
         self._state = None
         _LIVE.discard(self)
 
-    def __reduce_ex__(self, protocol):
-        raise TypeError(
-            "Cp1PackedHooks cannot be copied or pickled (a copy would share the original's hook handles); copy the "
-            "model before attach_cp1_packed_varlen_hooks, or remove() the hooks and attach them again to the copy"
-        )
+    def __reduce__(self):
+        # A copy (copy.deepcopy(model), pickling) must not share this object's handles or pack: it
+        # becomes a detached, unarmed hooks object, so the copied model runs stock SDPA until
+        # attach_cp1_packed_varlen_hooks is called on it.
+        return (_detached_hooks, ())
 
     # ---- hooks
 
@@ -279,6 +279,13 @@ class Cp1PackedHooks:
                 f"with {problem}. Otherwise leave this module out of the hooks (modules= / module_filter=) or disarm them"
             )
         return _packed_attention(state, call)
+
+
+def _detached_hooks() -> Cp1PackedHooks:
+    """What a copy of a hooks object becomes: hooks on no module, never armed (not in `_LIVE`)."""
+    hooks = Cp1PackedHooks.__new__(Cp1PackedHooks)
+    hooks.attention_modules, hooks._labels, hooks._state, hooks._frames, hooks._handles = [], {}, None, {}, []
+    return hooks
 
 
 # --------------------------------------------------------------------------- attaching and arming

@@ -407,8 +407,23 @@ def test_bad_inputs_raise_clear_errors():
         attach_cp1_packed_varlen_hooks(nn.Sequential(nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="ToyAttention, ToyAttention already hooked"):
         attach_cp1_packed_varlen_hooks(model)
-    with pytest.raises(TypeError, match="cannot be copied"):
-        copy.deepcopy(model)
+
+
+def test_a_copy_of_a_hooked_model_is_not_hooked():
+    """copy.deepcopy(model) (e.g. a reference model) works; the copy runs stock SDPA and arming the
+    original does not arm it, so its output on the pack is the mixed (stock) one."""
+    model = ToyLM()
+    hooks = attach_cp1_packed_varlen_hooks(model)
+    ids = torch.cat(make_docs(LENGTHS))[None]
+    with torch.no_grad():
+        stock = model(ids)
+    twin = copy.deepcopy(model)
+    hooks.enable(document_ids_from_lengths(LENGTHS))
+    with torch.no_grad():
+        packed, twin_out = model(ids), twin(ids)
+    assert torch.equal(twin_out, stock)
+    assert not torch.allclose(packed, stock)  # the pack really changes the original's output
+    assert attach_cp1_packed_varlen_hooks(twin).attention_modules  # the copy can be hooked itself
 
 
 def test_hf_model_on_sdpa_with_gradient_checkpointing():
