@@ -115,7 +115,7 @@ def check_ranges(parser, args, positive=(), non_negative=()) -> None:
 
 def layout_error(args, world_size: int) -> str | None:
     """Why `args` cannot run on `world_size` processes (dp x cp), or None."""
-    cp = args.cp_size or world_size
+    cp = world_size if args.cp_size is None else args.cp_size
     if cp <= 0 or world_size % cp:
         return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
     dp = world_size // cp
@@ -124,6 +124,15 @@ def layout_error(args, world_size: int) -> str | None:
     if args.max_tokens % (2 * cp):
         return f"--max-tokens={args.max_tokens} must be a multiple of 2*cp={2 * cp}"
     return None
+
+
+def loaded(what: str, load, *args):
+    """`load(*args)`, or `fail` with one line when the model or data named on the command line cannot
+    be loaded (every rank loads the same, so every rank fails alike)."""
+    try:
+        return load(*args)
+    except (ValueError, OSError) as exc:
+        fail(f"{what}: {exc}")
 
 
 def argument_error(args, world_size: int) -> str | None:
@@ -357,12 +366,12 @@ def train(args) -> dict:
     cp_mesh = None if mesh is None else mesh.cp
     cp_config = bdcp.CPConfig(attn_backend=args.attn_backend)
 
-    dataset, pad_token_id, vocab = load_training_data(args)
+    dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args)
     loader = packed_dataloader(
         dataset, args.max_tokens, dp_size=place.dp_size, dp_rank=place.dp_rank, cp_size=place.cp_size,
         cp_rank=place.cp_rank, pad_token_id=pad_token_id, seed=args.seed, num_workers=args.num_workers, drop_last=True,
     )
-    model = build_model(args, vocab).to(device)
+    model = loaded("--model", build_model, args, vocab).to(device)
     if args.fused_ce:
         enable_fused_cross_entropy(model)
     model = wrap_model(model, mesh, fsdp=args.fsdp)

@@ -47,6 +47,7 @@ from train_packed import (  # the main job, same folder: its model, argument che
     check_launch,
     check_ranges,
     layout_error,
+    loaded,
     tiny_llama_config,
     write_outputs,
 )
@@ -166,14 +167,14 @@ def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world_size = check_launch(args, layout_error)  # before any collective: a bad argument ends every rank with one line
-    cp_size = args.cp_size or world_size
-    train_data, eval_data = load_training_data(args), None
+    cp_size = world_size if args.cp_size is None else args.cp_size
+    train_data, eval_data = loaded("--dataset", load_training_data, args), None
     if args.eval:
         n = len(train_data)
         held_out = min(args.eval_docs, n - 1)
         train_data, eval_data = train_data.select(range(n - held_out)), train_data.select(range(n - held_out, n))
     trainer = BlockdiagCPTrainer(
-        model=build_model(args),
+        model=loaded("--model", build_model, args),
         args=training_arguments(args, world_size, cp_size),
         train_dataset=train_data,
         eval_dataset=eval_data,

@@ -128,6 +128,8 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
         ("trainer_packed.py", 0, ["--cp-size", "3"], "--cp-size=3 must be a positive divisor of the number of processes (2)"),
         ("train_packed.py", 0, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
+        ("train_packed.py", 1, ["--cp-size", "0"], "--cp-size=0 must be a positive divisor of the number of processes (2)"),
+        ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset: "),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):
