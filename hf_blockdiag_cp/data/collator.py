@@ -16,7 +16,6 @@ from typing import Any, Sequence
 import torch
 
 from ..config import CPConfig
-from ..step.build import layout_options
 from ..step.shard import IGNORE_INDEX, shard_batch
 
 OVERSIZE_POLICIES = ("split", "reject")
@@ -151,4 +150,4 @@ class BlockdiagCPCollator:
         if self.cp_rank is None:
             return full
         config = self.cp_config if self.cp_config is not None else CPConfig()  # default: contiguous chunks
-        return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, **layout_options(config))
+        return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, config=config)

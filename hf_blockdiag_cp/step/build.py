@@ -20,9 +20,7 @@ from ..comm import agree, check_group_usable, group_spans_nodes, resolve_cp_grou
 from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
-    DEFAULT_KERNEL_COST,
     ExchangePlan,
-    KernelCost,
     Layout,
     choose_exchange,
     get_exchange,
@@ -74,26 +72,6 @@ def build_step(
     )
 
 
-def layout_kernel_cost(config: CPConfig) -> KernelCost:
-    """The cost model the balanced layout uses: `config.kernel_cost`, else the named kernel's
-    calibrated cost (`KernelRecord.cost`), else the default. `auto` resolves per device and
-    dtype, which the host-side shard step does not know, so it takes the default. Every rank
-    derives the same value from the same config (the layout is part of the pack fingerprint)."""
-    if config.kernel_cost is not None:
-        return config.kernel_cost
-    if config.attn_backend != "auto":
-        cost = get_kernel(config.attn_backend).cost
-        if cost is not None:
-            return cost
-    return DEFAULT_KERNEL_COST
-
-
-def layout_options(config: CPConfig) -> dict:
-    """The `shard_batch` keywords of `config`'s layout (strategy, tolerance, kernel cost): one
-    mapping for the step, the collator and the Trainer, so all of them shard a pack alike."""
-    return {"strategy": config.layout, "tolerance": config.balance_tolerance, "kernel_cost": layout_kernel_cost(config)}
-
-
 def exchange_id(name: str) -> int:
     """A number for an exchange name that every process computes alike (unlike `hash`), for the consensus."""
     return zlib.crc32(name.encode())
@@ -126,7 +104,7 @@ def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id,
     """This rank's local batch: the pure shard step, or a batch a collator already sharded for this
     rank (which keeps the layout it was sharded with)."""
     if SHARD_KEY not in batch:
-        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, **layout_options(config))
+        return shard_batch(batch, cp.size, cp.rank, loss_mask, padding_token_id, shard_primary, config=config)
     info = batch[SHARD_KEY]
     if (info.cp_rank, info.cp_size) != (cp.rank, cp.size):
         raise ValueError(

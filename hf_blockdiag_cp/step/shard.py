@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 from ..comm.consensus import checksum
+from ..config import CPConfig, default_config
+from ..kernels import get_kernel
 from ..planning import (
-    DEFAULT_TOLERANCE,
+    DEFAULT_KERNEL_COST,
     KernelCost,
     Layout,
     document_ids_from_cu_seqlens,
@@ -172,6 +174,20 @@ def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: 
     return local, global_targets
 
 
+def layout_kernel_cost(config: CPConfig) -> KernelCost:
+    """The cost model the balanced layout uses: `config.kernel_cost`, else the named kernel's
+    calibrated cost (`KernelRecord.cost`), else the default. `auto` resolves per device and
+    dtype, which the host-side shard step does not know, so it takes the default. Every rank
+    derives the same value from the same config (the layout is part of the pack fingerprint)."""
+    if config.kernel_cost is not None:
+        return config.kernel_cost
+    if config.attn_backend != "auto":
+        cost = get_kernel(config.attn_backend).cost
+        if cost is not None:
+            return cost
+    return DEFAULT_KERNEL_COST
+
+
 def shard_batch(
     batch: dict,
     cp_size: int,
@@ -179,13 +195,12 @@ def shard_batch(
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
     shard_primary: bool = True,
-    strategy: str = "contiguous",
-    tolerance: float = DEFAULT_TOLERANCE,
-    kernel_cost: KernelCost | None = None,
+    config: CPConfig | None = None,
 ) -> dict:
     """Pure shard step (no process group): the local batch of rank `cp_rank` of `cp_size`.
 
-    `strategy` / `tolerance` / `kernel_cost` pick the layout (`plan_layout`). The result carries a
+    `config`'s layout settings (default: the process default, `configure_cp`) pick the layout
+    (`plan_layout`), as in `make_cp_blockdiag_batch_and_ctx`. The result carries a
     `ShardInfo` under `SHARD_KEY`, so `make_cp_blockdiag_batch_and_ctx` accepts it as is;
     this is what lets a collator shard inside DataLoader worker processes.
     """
@@ -204,7 +219,11 @@ def shard_batch(
         loss_mask = _row({"loss_mask": loss_mask}, "loss_mask", seq_len)
         if labels is None:
             raise ValueError("loss_mask was given without labels")
-    layout = plan_layout(ids, cp_size, strategy, tolerance=tolerance, kernel_cost=kernel_cost)
+    config = default_config() if config is None else config
+    if not isinstance(config, CPConfig):
+        raise TypeError(f"config must be a CPConfig or None; got {type(config).__name__}")
+    layout = plan_layout(ids, cp_size, config.layout, tolerance=config.balance_tolerance,
+                         kernel_cost=layout_kernel_cost(config))
     s_pad = layout.padded_seq_len
     padded_ids = layout.document_ids
     slots = layout.slot_positions[cp_rank]

@@ -265,7 +265,7 @@ def test_token_side_streams_are_padded_and_sharded_with_the_primary(shard_primar
     batch = {"input_ids": ids, "position_ids": torch.tensor([list(range(6)) + list(range(7))]),
              "mm_token_type_ids": types, "token_type_ids": 1 - types}
     for rank in range(cp_size):
-        local = shard_batch(batch, cp_size, rank, shard_primary=shard_primary, strategy=strategy)
+        local = shard_batch(batch, cp_size, rank, shard_primary=shard_primary, config=CPConfig(layout=strategy))
         layout = local["blockdiag_cp_shard"].layout
         rows = layout.slot_positions[rank] if shard_primary else torch.arange(layout.padded_seq_len)
         padded_types = torch.cat([types[0], torch.zeros(layout.padded_seq_len - seq_len, dtype=torch.long)])

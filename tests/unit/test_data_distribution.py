@@ -139,7 +139,7 @@ def test_a_presharded_batch_keeps_its_layout():
     import hf_blockdiag_cp as bdcp
 
     full = bdcp.BlockdiagCPCollator(max_tokens=16)([{"input_ids": list(range(1, 10))}, {"input_ids": [3, 4, 5]}])
-    local = bdcp.shard_batch(full, 1, 0, strategy="balanced")
+    local = bdcp.shard_batch(full, 1, 0, config=bdcp.CPConfig(layout="balanced"))
     for config in (None, bdcp.CPConfig(layout="contiguous")):
         _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, local, config=config)
         assert layout.strategy == "balanced"

@@ -32,7 +32,6 @@ from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
-from ...step.build import layout_options
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
@@ -149,7 +148,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
             return batch
         c = self.cp_coordinates
         return shard_batch(batch, c.cp_size, c.cp_rank, padding_token_id=self.packing.pad_token_id,
-                           **layout_options(self.cp_config))
+                           config=self.cp_config)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device) -> tuple[list, torch.Tensor | None]:
         """The micro-batches of one optimizer step and N = their targets summed over every rank (one all-reduce)."""
