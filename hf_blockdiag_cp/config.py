@@ -88,14 +88,16 @@ def configure_cp(
     *,
     layout: str = "contiguous",
     balance_tolerance: float = DEFAULT_TOLERANCE,
+    kernel_cost: KernelCost | None = None,
 ) -> CPConfig:
-    """Set the process default `CPConfig` (used by every step built without `config=`) and return it.
+    """Set the process default `CPConfig` (used by every step and `shard_batch` called without
+    `config=`) and return it; its fields are CPConfig's.
 
     A convenience for scripts; libraries and tests should pass a `CPConfig` per call.
     Calling it with no arguments restores the defaults.
     """
     global _DEFAULT
-    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a)
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost)
     return _DEFAULT
 
 

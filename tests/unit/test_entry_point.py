@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from hf_blockdiag_cp import CPConfig, configure_cp_varlen, make_cp_blockdiag_batch_and_ctx
+from hf_blockdiag_cp import CPConfig, configure_cp_varlen, make_cp_blockdiag_batch_and_ctx, shard_batch
 from hf_blockdiag_cp.attention import blockdiag_attention
-from hf_blockdiag_cp.step import STEP_KWARG
+from hf_blockdiag_cp.planning import PAIR_COUNT
+from hf_blockdiag_cp.step import SHARD_KEY, STEP_KWARG
 
 _COPYING = ("Select", "Slice", "Index", "Clone", "Copy", "Cat", "Stack", "Gather")
 
@@ -56,6 +57,9 @@ def test_configure_cp_varlen_sets_the_process_default():
         assert (local[STEP_KWARG].attn_backend, local[STEP_KWARG].kv_exchange, layout.strategy) == ("dense", "a2a", "balanced")
         _, local, layout = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=CPConfig())
         assert (local[STEP_KWARG].attn_backend, local[STEP_KWARG].kv_exchange, layout.strategy) == ("auto", "allgather", "contiguous")
+        # shard_batch (the pure step, e.g. in DataLoader workers) reads the same default, kernel cost included.
+        assert configure_cp_varlen(layout="balanced", kernel_cost=PAIR_COUNT).kernel_cost is PAIR_COUNT
+        assert shard_batch(batch, 2, 0)[SHARD_KEY].layout.strategy == "balanced"
     finally:
         assert configure_cp_varlen() == CPConfig()
     _, local, layout = make_cp_blockdiag_batch_and_ctx(None, None, batch)
