@@ -25,11 +25,12 @@ from .step import (
     shard_batch,
 )
 
-from .attention.model_check import register_model_check
-from .model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches, check_attention_module
+from .attention.model_check import register_model_check as _register_model_check
+from .model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
+from .model_patches import check_attention_module as _check_attention_module
 
 _register()
-register_model_check(check_attention_module)  # attention asks the model patches through this hook
+_register_model_check(_check_attention_module)  # attention asks the model patches through this hook
 
 __version__ = "0.1.0"
 

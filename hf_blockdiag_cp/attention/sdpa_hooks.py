@@ -190,8 +190,8 @@ class Cp1PackedHooks:
 
     def enable(self, doc_ids: torch.Tensor, backend: str = "auto") -> None:
         """Arm the pack `doc_ids` ([S] or [1,S], 1-based, 0 = padding) with kernel `backend` (any
-        `attn_backend` spelling; `auto` = varlen on CUDA in half precision, else the first kernel
-        that can run). Holds through this forward's backward, until the model's next forward or
+        `attn_backend` spelling; `auto`: the first kernel in the `auto` order that can run the
+        layer). Holds through this forward's backward, until the model's next forward or
         `disable()`."""
         self._arm(*_plan(doc_ids, backend))
 

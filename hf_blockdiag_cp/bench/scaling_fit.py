@@ -38,7 +38,8 @@ def measured_setups(results: dict) -> dict:
 
 def network_from_overlap(results: dict, inter_gbps: float = INTER_NODE_GBPS_PER_GPU, latency_ms=None) -> tuple[Network, list]:
     """Effective GB/s per (exchange, direction): median over the overlap rows of max-rank bytes / (ms - latency).
-    Rows of runs that pipelined the exchange in several KV-head groups (`kv_chunks` > 1) are left out."""
+    Rows of results written before `kv_chunks` was removed that pipelined the exchange (`kv_chunks` > 1) are
+    left out."""
     lat = dict(LATENCY_MS, **(latency_ms or {}))
     G = int(results["env"]["G"])
     setups = measured_setups(results)

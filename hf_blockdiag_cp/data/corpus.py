@@ -4,7 +4,7 @@ No downloads: the source files are already on every machine that runs this libra
 top-level unit of a module (its header, i.e. docstring and imports, and every top-level
 `def` / `class` with its decorators) is one document, so documents are real, self-contained
 and heavy-tailed: median ≈ 480 bytes, 90th percentile ≈ 3.6k, largest ≈ 750k, close to the
-13.4M-document histogram in `shared/data/doc_length_distribution.csv`. (One document per
+13.4M-document histogram in `hf_blockdiag_cp/bench/data/doc_length_distribution.csv`. (One document per
 *file*, `unit="file"`, has a median of ≈ 8k bytes: almost every 1k-token pack would then hold
 a single piece of one file and block-diagonal attention would have little to do.)
 

@@ -86,7 +86,7 @@ register_kernel(
         fn=fa4_attention_kernel,
         check=_check,
         features=frozenset({"softcap", "sinks"}),
-        auto_priority=5,  # 1.75-1.86x torch varlen on the H200 (docs/performance.md)
+        auto_priority=5,  # first: the fastest kernel measured (docs/performance.md)
         cost=calibrated_cost("fa4"),
     )
 )

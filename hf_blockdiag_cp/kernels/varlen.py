@@ -58,7 +58,7 @@ register_kernel(
         aliases=("torch_varlen", "varlen_attn"),
         fn=varlen_attention_kernel,
         check=_check,
-        auto_priority=10,  # fastest measured on the H200 (docs/performance.md)
+        auto_priority=10,  # after fa4 (docs/performance.md compares them)
         cost=calibrated_cost("varlen"),
     )
 )

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 # model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
 PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["config", "planning", "comm", "kernels", "step", "attention", "model_patches", "data", "integrations",
+LAYERS = ["planning", "comm", "kernels", "config", "step", "attention", "model_patches", "data", "integrations",
           "bench"]
 BELOW = {
     "planning": set(),
