@@ -3,9 +3,8 @@
 These models mix tokens with state-space (Mamba) scans, linear attention, gated recurrences
 or short causal convolutions, whole or in part. Those layers see only the local shard under
 CP and know nothing of packed document boundaries, so training would be silently wrong.
-`apply_model_patches` and the first attention call of a CP step raise for them, unless a
-patch in `model_patches` exists for the type (the gated delta-rule hybrids Qwen3.5 /
-Qwen3-Next left this list for `gated_delta`). See `tests/multiprocess/test_recurrent.py` for
+`apply_model_patches` and the first attention call of a CP step raise for them (a type with a
+patch, such as the gated delta-rule hybrids in `gated_delta`, is not listed here). See `tests/multiprocess/test_recurrent.py` for
 how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
 """
 

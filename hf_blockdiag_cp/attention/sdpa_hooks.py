@@ -3,31 +3,16 @@
 Some attention modules (custom or remote-code models) never go through Transformers'
 AttentionInterface: they call SDPA with `is_causal=True` on the whole packed row, which lets
 documents attend to each other. These hooks make such calls per document on one rank without
-touching the model's code:
+touching the model's code (usage and rules: docs/models.md, "cp = 1"):
 
     hooks = attach_cp1_packed_varlen_hooks(model)  # once
     hooks.enable(document_ids, "auto")             # before every packed forward
     loss = model(**batch).loss
     loss.backward()                                # recompute stays packed
 
-Exact or loud: while a pack is armed, every SDPA call made inside a hooked forward either runs
-per document (causal, no mask, no dropout, the pack's length) or raises naming the module and
-what the call did; a hooked forward that makes no SDPA call raises too (its attention was
-computed some other way). Unarmed, or outside hooked forwards, SDPA is untouched.
-
-Interception is a `TorchFunctionMode`, entered by the outermost hooked forward of a hooks
-object (forward pre-hook) and left by its forward hook (`always_call=True`, so also when the
-forward raises). It sees every call of the builtin `torch._C._nn.scaled_dot_product_attention`
-(which `F.scaled_dot_product_attention` is) however the caller bound it; nothing is swapped
-process-wide. PyTorch takes a mode off the mode stack while its `__torch_function__` runs, so
-the packed kernel's own SDPA calls go to stock SDPA. The hooks sit on the attention modules
-inside any checkpoint wrapper, so activation-checkpoint recompute re-enters the mode.
-
-State: each hooks object holds its own pack (armed by `enable`, kept through backward, cleared
-at the next forward of the model it was attached to), so two models never share one. The
-module-level functions act on the live hooks objects (a weak registry, which holds no pack)
-or on those hooking one model. A hooks object cannot be copied (the copy would share the
-original's hook handles), and two hooks objects cannot hook the same module.
+Exact or loud: while a pack is armed, every SDPA call inside a hooked forward runs per document
+or raises naming the module. A `TorchFunctionMode`, entered only while a hooked forward runs,
+catches the calls however SDPA was bound; each hooks object holds its own pack.
 """
 
 from __future__ import annotations
