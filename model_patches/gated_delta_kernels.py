@@ -104,42 +104,52 @@ def causal_conv_per_doc(x: torch.Tensor, weight: torch.Tensor, bias, activation:
     return out.to(x.dtype)
 
 
+def length_groups(spans: list[tuple[int, int]], budget: int) -> list[list[tuple[int, int]]]:
+    """Documents `(start, stop)`, longest first, in groups that hold at most `budget` rows once
+    padded to their longest document (a document longer than `budget` forms a group alone)."""
+    groups: list[list[tuple[int, int]]] = []
+    for span in sorted(spans, key=lambda s: s[0] - s[1]):  # longest first; stable among equals
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * (group[0][1] - group[0][0]) > budget:
+            groups.append([span])
+        else:
+            group.append(span)
+    return groups
+
+
+def _padded_batch(x: torch.Tensor, group: list[tuple[int, int]]) -> torch.Tensor:
+    """Rows `[start, stop)` of `x [S, ...]` per document, zero-padded at the end to the group's longest."""
+    width = group[0][1] - group[0][0]
+    return torch.stack([F.pad(x[a:b], (0, 0) * (x.dim() - 1) + (0, width - (b - a))) for a, b in group])
+
+
 def delta_rule_per_doc(rule: Callable, q, k, v, g, beta, docs: PackDocs) -> torch.Tensor:
     """`rule` (Transformers' torch chunked gated delta rule) on each document of the pack from a
-    zero state; q, k `[S, Hk, Dk]`, v `[S, Hv, Dv]`, g, beta `[S, Hv]`. Padding rows get zeros."""
+    zero state; q, k `[S, Hk, Dk]`, v `[S, Hv, Dv]`, g, beta `[S, Hv]`. Padding rows get zeros.
+
+    Documents of similar length run as one batch, each row zero-padded at its end (zero keys,
+    values, gates and decay leave a row's state and earlier outputs unchanged), so the rule's
+    Python loop over 64-token chunks runs once per group instead of once per document."""
     ratio = v.shape[1] // q.shape[1]
     if ratio > 1:  # each key head serves `ratio` consecutive value heads; older Transformers' rule expects them repeated
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    parts = []
-    for start, stop, is_document in docs.segments:
-        if not is_document:
-            parts.append(v.new_zeros((stop - start,) + tuple(v.shape[1:])))
-            continue
+    spans = [(a, b) for a, b, is_document in docs.segments if is_document]
+    rows, outs = [], []
+    for group in length_groups(spans, budget=q.shape[0]):
         out, _ = rule(
-            q[None, start:stop], k[None, start:stop], v[None, start:stop], g=g[None, start:stop],
-            beta=beta[None, start:stop], initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+            _padded_batch(q, group), _padded_batch(k, group), _padded_batch(v, group), g=_padded_batch(g, group),
+            beta=_padded_batch(beta, group), initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
         )
-        parts.append(out[0])
-    return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-
-@contextlib.contextmanager
-def stock_torch_kernels(model: torch.nn.Module):
-    """Run the stock (unpatched) model's gated delta-rule layers on Transformers' own torch
-    convolution and chunked delta rule even where flash-linear-attention or causal-conv1d is
-    installed (Transformers swaps those in at import): a stock baseline or reference then uses
-    the same kernels as the patch's torch path, and fla's backward (which refuses itself on some
-    GPU images, docs/models.md) is never called. No-op for a model without such layers."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
-    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
-    for mod, name, fn in saved:
-        setattr(mod, name, inspect.unwrap(fn))
-    try:
-        yield
-    finally:
-        for mod, name, fn in saved:
-            setattr(mod, name, fn)
+        outs += [out[i, : b - a] for i, (a, b) in enumerate(group)]
+        rows += [range(a, b) for a, b in group]
+    for a, b, is_document in docs.segments:
+        if not is_document:
+            outs.append(v.new_zeros((b - a,) + tuple(v.shape[1:])))
+            rows.append(range(a, b))
+    order = torch.tensor([r for span in rows for r in span], dtype=torch.int64)
+    to_pack = torch.empty_like(order)
+    to_pack[order] = torch.arange(order.numel())
+    return torch.cat(outs).index_select(0, to_pack.to(v.device))
 
 
 # --------------------------------------------------------------------------- flash-linear-attention

@@ -16,11 +16,13 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.model_patches import gated_delta
-from hf_blockdiag_cp.model_patches.gated_delta_kernels import docs_from_cu_seqlens, fla_refusal
+from hf_blockdiag_cp.model_patches.gated_delta_kernels import docs_from_cu_seqlens, fla_refusal, length_groups
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model
 from helpers.reference import rel_err
 
@@ -134,3 +136,19 @@ def test_vl_model_text_steps_run_and_images_are_refused():
 def test_fla_path_is_refused_until_verified():
     reason = fla_refusal(torch.zeros(1))
     assert reason is not None and "flash-linear-attention" in reason
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=30), budget=st.integers(1, 2000))
+def test_length_groups_cover_every_document_once_within_the_budget(lengths, budget):
+    """The batched delta rule's groups: every document once, longest first, and a group padded to
+    its longest document holds at most `budget` rows unless it is one document alone."""
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    spans = [(a, a + n) for a, n in zip(starts, lengths)]
+    groups = length_groups(spans, budget)
+    flat = [span for group in groups for span in group]
+    assert sorted(flat) == spans
+    sizes = [b - a for a, b in flat]
+    assert sizes == sorted(sizes, reverse=True)
+    for group in groups:
+        assert len(group) == 1 or len(group) * (group[0][1] - group[0][0]) <= budget
