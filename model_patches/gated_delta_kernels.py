@@ -152,6 +152,25 @@ def delta_rule_per_doc(rule: Callable, q, k, v, g, beta, docs: PackDocs) -> torc
     return torch.cat(outs).index_select(0, to_pack.to(v.device))
 
 
+@contextlib.contextmanager
+def stock_torch_kernels(model: torch.nn.Module):
+    """Run the stock (unpatched) model's gated delta-rule layers on Transformers' own torch
+    convolution and chunked delta rule even where flash-linear-attention or causal-conv1d is
+    installed (Transformers swaps those in at import): a stock baseline or reference then uses
+    the same kernels as the patch's torch path, and fla's backward (which refuses itself on some
+    GPU images, docs/models.md) is never called. No-op for a model without such layers."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
+    for mod, name, fn in saved:
+        setattr(mod, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
 # --------------------------------------------------------------------------- flash-linear-attention
 
 
