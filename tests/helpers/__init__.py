@@ -1,8 +1,7 @@
 """Shared test helpers, imported as `helpers.<module>` (tests/conftest.py puts tests/ on sys.path).
 
 - `dist_pool`: the gloo process pool behind the `gloo` fixture.
-- `reference`, `packs`: the per-document parity reference and named pack layouts; one copy, in
-  `hf_blockdiag_cp.bench.reference` (the multi-GPU benchmark uses it too), re-exported here.
+- `reference`, `packs`: the per-document parity reference and named pack layouts.
 - `parity`: the dense parity case (`parity_case`), its families and tolerance.
 - `bf16_parity`: the bf16 criterion of the GPU tests (errors compared with the stock bf16 model's)
   and the CP step they measure.

@@ -1,4 +1,4 @@
-"""Packed batches for the parity tests: named document layouts, for any CP size. One copy, in
-`hf_blockdiag_cp.bench.reference`; re-exported here."""
+"""Packed batches for the parity tests: named document layouts, for any CP size (defined in
+`helpers.reference`, next to the reference that runs them)."""
 
-from hf_blockdiag_cp.bench.reference import LAYOUTS, layout_lengths, make_pack  # noqa: F401 (re-exported)
+from helpers.reference import LAYOUTS, layout_lengths, make_pack  # noqa: F401 (re-exported)

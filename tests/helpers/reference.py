@@ -1,15 +1,151 @@
-"""The independent reference: the stock model with `attn_implementation="eager"` run on every
-document separately, unpacked, and tiny models built from configs. One copy, in
-`hf_blockdiag_cp.bench.reference`; re-exported here."""
+"""The per-document parity reference of the tests.
 
-from hf_blockdiag_cp.bench.reference import (  # noqa: F401 (re-exported)
-    COMMON_CONFIG,
-    VOCAB,
-    build_models,
-    compare_with_reference,
-    make_docs,
-    mean_over_group,
-    reference_loss_and_grads,
-    rel_err,
-    tiny_config,
+Exactness (invariant I1, docs/design.md) is checked against the **stock model, unpacked**: the
+Transformers model with `attn_implementation="eager"` run on every document separately. Nothing
+here uses the CP code: `build_models` only switches a deep copy of the reference to
+`blockdiag_cp` for the caller to run under CP. Also: tiny configs of the parity families, random
+documents, named pack layouts for any CP size, and the error measures (relative error, mean
+over a process group).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, LlamaConfig, MistralConfig, Qwen2Config
+
+from hf_blockdiag_cp import ATTN_IMPLEMENTATION
+
+VOCAB = 101
+
+COMMON_CONFIG = dict(  # the tiny decoder shared by every parity test
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=512,
+    attention_dropout=0.0,
+    tie_word_embeddings=False,
 )
+
+
+# --------------------------------------------------------------------------- models
+
+
+def tiny_config(family: str, **overrides):
+    if family == "llama":
+        cfg = LlamaConfig(**COMMON_CONFIG)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**COMMON_CONFIG, use_sliding_window=False)
+    elif family == "mistral":
+        cfg = MistralConfig(**COMMON_CONFIG, sliding_window=overrides.pop("sliding_window", 4096))
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build_models(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """(reference eager model, blockdiag_cp model) with identical weights."""
+    torch.manual_seed(seed)
+    ref = AutoModelForCausalLM.from_config(tiny_config(family, **overrides), attn_implementation="eager", dtype=dtype)
+    ref.train()
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return ref, model
+
+
+# --------------------------------------------------------------------------- documents and packs
+
+
+def make_docs(lengths, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+
+
+LAYOUTS = ("straddle", "span_all", "padding_rank", "single_tokens", "single_doc", "collator")
+
+
+def layout_lengths(name: str, world_size: int) -> tuple[list[int], int]:
+    """Document lengths and the number of padding tokens (document id 0) at the end of the pack."""
+    g = world_size
+    if name in ("straddle", "collator"):
+        return [5, 7, 3, 9, 4], 0
+    if name == "span_all":  # one document over every rank (three or more when G >= 3)
+        return [2, 8 * g + 1, 3], 0
+    if name == "padding_rank":  # 3G real tokens then 3G padding: the last rank holds only padding
+        return [g, 2 * g], 3 * g
+    if name == "single_tokens":
+        return [1, 3, 1, 1, 5, 1, 2, 1, 4, 1], 0
+    if name == "single_doc":
+        return [4 * g + 3], 0
+    raise ValueError(name)
+
+
+def make_pack(name: str, world_size: int, seed: int = 1, pad_token_id: int = 0):
+    """(documents, packed batch in Hugging Face's flattened convention)."""
+    lengths, n_pad = layout_lengths(name, world_size)
+    docs = make_docs(lengths, seed)
+    if name == "collator":
+        batch = DataCollatorWithFlattening(return_tensors="pt")([{"input_ids": d.tolist()} for d in docs])
+        return docs, dict(batch)
+    ids = torch.cat(docs + [torch.full((n_pad,), pad_token_id)])[None]
+    labels = ids.clone()
+    labels[0, ids.shape[1] - n_pad:] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    if n_pad:
+        doc_ids = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)] + [torch.zeros(n_pad, dtype=torch.long)])
+        batch["document_ids"] = doc_ids[None]
+    else:
+        batch["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+    return docs, batch
+
+
+# --------------------------------------------------------------------------- the reference and errors
+
+
+def reference_loss_and_grads(ref, docs, extra_per_doc=None):
+    """Mean next-token loss over all documents run separately, and its parameter gradients.
+
+    `extra_per_doc[i]` holds extra model inputs of document i (e.g. 3-D positions, pixels)."""
+    ref.zero_grad(set_to_none=True)
+    total, count = 0.0, 0
+    for i, d in enumerate(docs):
+        extra = extra_per_doc[i] if extra_per_doc else {}
+        logits = ref(input_ids=d[None], **extra).logits[0]
+        if d.numel() > 1:
+            total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
+            count += d.numel() - 1
+    loss = total / count
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def mean_over_group(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    t = t.detach().clone().float()
+    if world_size > 1:
+        dist.all_reduce(t, group=group)
+    return t / world_size
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = b.float().norm()
+    diff = (a.float() - b.float()).norm()
+    return float(diff / denom) if denom > 0 else float(diff)
+
+
+def compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size):
+    """Max relative error of the mean-over-ranks loss and of every parameter gradient."""
+    errors = {"loss": rel_err(mean_over_group(loss, group, world_size), ref_loss)}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        errors[name] = rel_err(mean_over_group(g, group, world_size), ref_grads.get(name, torch.zeros_like(p)))
+    return errors
