@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node 2 examples/train_packed.py --steps 20 --output-dir out/train_packed
     torchrun --standalone --nproc-per-node 4 examples/train_packed.py --cp-size 2           # CPU: dp=2 x cp=2
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
+    torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch qwen3_5   # a tiny hybrid
 
-Defaults: a tiny Llama built from a config (fp32, random init), trained offline on the
+Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen3_5`: a tiny Qwen3.5 hybrid), trained offline on the
 embedded corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library,
 byte tokens), cp = number of processes.
 
@@ -72,7 +73,9 @@ class OneLineParser(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="hub id or local path (default: a tiny Llama config, random init)")
+    p.add_argument("--model", default=None, help="hub id or local path (default: a tiny model from a config, random init)")
+    p.add_argument("--tiny-arch", choices=TINY_ARCHS, default=None, help="architecture of the default tiny model: "
+                   "llama (default), or qwen3_5 (gated delta-rule + full-attention layers)")
     p.add_argument("--random-init", action="store_true", help="with --model: build from its config, random weights")
     p.add_argument("--dataset", default=None, help="a datasets name, or local json/jsonl/csv/parquet/txt file(s) or folder "
                    "(default: the embedded stdlib corpus)")
@@ -102,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  non_negative=("num_workers", "max_grad_norm"))
     if args.random_init and args.model is None:
         p.error("--random-init needs --model (the default model is already randomly initialised)")
+    if args.tiny_arch is not None and args.model is not None:
+        p.error("--tiny-arch chooses the default tiny model; it cannot be combined with --model")
+    args.tiny_arch = args.tiny_arch or "llama"
     return args
 
 
@@ -164,19 +170,23 @@ def check_launch(args, errors=argument_error) -> int:
 # --------------------------------------------------------------------------- model and data
 
 
-def tiny_llama_config(vocab_size: int, max_tokens: int):
+TINY_ARCHS = ("llama", "qwen3_5")
+
+
+def tiny_config(arch: str, vocab_size: int, max_tokens: int):
+    """A tiny random-init config of `arch` (no download): 64 hidden, 4 heads (2 K/V heads)."""
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=max(max_tokens, 2048), tie_word_embeddings=False)
+    if arch == "qwen3_5":  # 2 gated delta-rule layers, then 2 full-attention layers
+        from transformers import Qwen3_5TextConfig
+
+        return Qwen3_5TextConfig(**common, head_dim=16, num_hidden_layers=4,
+                                 layer_types=["linear_attention"] * 2 + ["full_attention"] * 2,
+                                 linear_num_key_heads=4, linear_num_value_heads=8,
+                                 linear_key_head_dim=16, linear_value_head_dim=16)
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=176,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max(max_tokens, 2048),
-        tie_word_embeddings=False,
-    )
+    return LlamaConfig(**common, num_hidden_layers=2)
 
 
 def build_model(args, vocab_size: int):
@@ -185,7 +195,7 @@ def build_model(args, vocab_size: int):
     kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every layout
     if args.model is None:
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size, args.max_tokens), **kwargs)
+        model = AutoModelForCausalLM.from_config(tiny_config(args.tiny_arch, vocab_size, args.max_tokens), **kwargs)
     elif args.random_init:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), **kwargs)
     else:
@@ -348,7 +358,7 @@ def run_metrics(args, place, device, losses, real_tokens, elapsed, model, num_do
         "engine": "single" if place.world_size == 1 else ("fsdp2" if args.fsdp else "ddp"),
         "device": device.type,
         "dtype": "bf16-autocast" if args.bf16 else "fp32",
-        "model": args.model or "tiny-llama (config)",
+        "model": args.model or f"tiny-{args.tiny_arch} (config)",
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "num_documents": num_documents,
         "loss": "token-weighted mean cross-entropy over all target tokens of the step's packs",

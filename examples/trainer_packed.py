@@ -48,7 +48,7 @@ from train_packed import (  # the main job, same folder: its model, argument che
     check_ranges,
     layout_error,
     loaded,
-    tiny_llama_config,
+    tiny_config,
     write_outputs,
 )
 
@@ -84,7 +84,7 @@ def build_model(args):
     torch.manual_seed(args.seed)  # identical initial weights on every rank and in every layout
     kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
     if args.model is None:
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", corpus.VOCAB_SIZE, args.max_tokens), **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # BlockdiagCPTrainer applies model patches
     if model.config.vocab_size < corpus.VOCAB_SIZE:

@@ -54,12 +54,12 @@ def _finish(proc: subprocess.Popen, log: Path, what: str) -> None:
     assert rc == 0, f"{what} exited with {rc}; log tail:\n{log.read_text()[-3000:]}"
 
 
-def reference_losses(steps: int) -> list[float]:
+def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
     """Per-step token-weighted mean loss of the stock eager model on each document alone, plain SGD."""
     from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
 
     example = _example_module()
-    args = example.parse_args(ARGS)
+    args = example.parse_args(args)
     dataset, _, vocab = example.load_training_data(args)
     model = example.build_model(args, vocab)
     model.set_attn_implementation("eager")
@@ -85,13 +85,16 @@ def reference_losses(steps: int) -> list[float]:
     return losses
 
 
-def test_cp2_run_matches_one_process_and_reference(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_cp2_run_matches_one_process_and_reference(tmp_path, arch):
+    """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP."""
+    args = [*ARGS, "--tiny-arch", arch]
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    one = _start([sys.executable, str(EXAMPLE), *ARGS, "--output-dir", str(one_dir)], tmp_path / "one.log")
+    one = _start([sys.executable, str(EXAMPLE), *args, "--output-dir", str(one_dir)], tmp_path / "one.log")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = _start([*launch, str(EXAMPLE), *ARGS, "--output-dir", str(two_dir)], tmp_path / "two.log")
+    two = _start([*launch, str(EXAMPLE), *args, "--output-dir", str(two_dir)], tmp_path / "two.log")
     try:
-        reference = reference_losses(STEPS)
+        reference = reference_losses(STEPS, args)
     finally:
         _finish(one, tmp_path / "one.log", "1-process run")
         _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
