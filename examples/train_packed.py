@@ -5,9 +5,9 @@
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch qwen3_5   # a tiny hybrid
 
-Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen3_5`: a tiny Qwen3.5 hybrid), trained offline on the
-embedded corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library,
-byte tokens), cp = number of processes.
+Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen3_5`: a tiny
+Qwen3.5 hybrid), trained offline on the embedded corpus (`hf_blockdiag_cp.data.corpus`: top-level
+units of the Python standard library, byte tokens), cp = number of processes.
 
 Loss (the same number for any dp x cp): per optimizer step, the token-weighted mean
 cross-entropy over every target token of the step's `--packs-per-step` packs,
