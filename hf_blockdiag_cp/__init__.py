@@ -14,6 +14,7 @@ from .attention import cp_blockdiag_sdpa
 from .comm import DPCPCoordinates
 from .config import CPConfig, configure_cp, configure_cp_varlen
 from .data import BlockdiagCPCollator, PackedBatchSampler, packed_dataloader
+from .integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from .integrations.transformers import ATTN_IMPLEMENTATION
 from .integrations.transformers import register as _register
 from .planning import Layout, plan_layout
@@ -60,6 +61,8 @@ __all__ = [
     "apply_model_patches",
     "configure_cp",
     "configure_cp_varlen",
+    "enable_checkpoint_offload",
+    "enable_tiled_mlp",
     "cp_blockdiag_sdpa",
     "current_blockdiag_cp_state",
     "make_cp_blockdiag_batch_and_ctx",

@@ -209,6 +209,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick compile probes)")
     p.add_argument("--mean-doc-len", type=float, default=2048)
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false")
+    p.add_argument("--tiled-mlp", type=int, default=None, metavar="TOKENS",
+                   help="ours: run each MLP over tiles of TOKENS rows (integrations.memory.enable_tiled_mlp)")
+    p.add_argument("--offload-checkpoints", action="store_true",
+                   help="ours: keep checkpointed layer inputs in pinned host memory (enable_checkpoint_offload)")
     p.add_argument("--block-steps", type=int, default=None,
                    help="consecutive steps per method and round (the first untimed); default 3")
     p.add_argument("--rounds", type=int, default=None, help="rounds of blocks, methods taking turns; default 2 (qwen3_5: 1)")

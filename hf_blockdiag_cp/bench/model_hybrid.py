@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from ..model_patches import apply_model_patches, patches_for
 from ..model_patches.gated_delta_kernels import stock_torch_kernels
 
@@ -87,13 +88,18 @@ def build_models(args) -> Models:
     stock = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     stock.to(args.device).train()
     ours, patches = stock, ()
-    if patches_for(config):
+    memory = getattr(args, "tiled_mlp", None) or getattr(args, "offload_checkpoints", False)
+    if patches_for(config) or memory:
         methods = list(args.methods) + list(args.fit_methods)
         ours = copy.deepcopy(stock) if any(not m.startswith("blockdiag_cp") for m in methods) else stock
         patches = apply_model_patches(ours)
     for model in {id(stock): stock, id(ours): ours}.values():
         if args.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(args, "tiled_mlp", None):
+        enable_tiled_mlp(ours, args.tiled_mlp)
+    if getattr(args, "offload_checkpoints", False):
+        enable_checkpoint_offload(ours)
     if args.stock_delta_rule == "torch":
         stock_kernels = functools.partial(stock_torch_kernels, stock)
     else:

@@ -4,6 +4,7 @@ The numbers themselves mean nothing on a CPU; the GPU figures and their commands
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 
@@ -86,3 +87,21 @@ def test_bench_ranks_cpu_smoke(tmp_path):
         assert all(r["exchange"] == exchange and len(r["rank_ms"]) == r["G"] and r["max_over_ideal"] > 0 for r in rows)
         fit = json.loads((out / "kernel_cost_dense.json").read_text())
         assert fit["cost"]["ms_per_tile"] > 0 and len(fit["samples"]) == 1 + 1 + 2 * (2 + 3) * 2
+
+
+def test_bench_model_memory_features_on_ours_only(tmp_path):
+    """`--tiled-mlp` and `--offload-checkpoints` act on the model ours runs on, not on the baseline's."""
+    bench_main(["model", "--tiny", "--device", "cpu", "--layers", "2", "--seq-lens", "128", "--methods",
+                "blockdiag_cp/dense", "hf_sdpa", "--mean-doc-len", "32", "--dtype", "float32", "--block-steps", "2",
+                "--rounds", "1", "--tiled-mlp", "32", "--offload-checkpoints", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+    assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
+    from hf_blockdiag_cp.bench.model_hybrid import build_models
+    from hf_blockdiag_cp.integrations.memory import CheckpointOffload
+
+    args = argparse.Namespace(**json.loads((tmp_path / "model.json").read_text())["args"])
+    models = build_models(args)
+    assert isinstance(models.ours.model.layers[0]._gradient_checkpointing_func, CheckpointOffload)
+    assert not isinstance(models.stock.model.layers[0]._gradient_checkpointing_func, CheckpointOffload)
+    assert "_bdcp_stock_forward" in vars(models.ours.model.layers[0].mlp)
+    assert "_bdcp_stock_forward" not in vars(models.stock.model.layers[0].mlp)

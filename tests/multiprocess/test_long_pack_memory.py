@@ -1,0 +1,77 @@
+"""The long-pack memory helpers (integrations/memory.py) leave training exact: with activation
+checkpointing, a sequence-tiled MLP and host offload of checkpointed layer inputs, alone and
+together, give the loss and every gradient of the stock eager model run on each document
+separately, at cp = 1, 2 and 3 (documents over every rank, tiles smaller than a shard)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_blockdiag_cp as bdcp
+from helpers.reference import build_models, compare_with_reference, make_pack, reference_loss_and_grads
+from helpers.trainer import tiny_model
+from hf_blockdiag_cp.integrations.memory import CheckpointOffload, enable_checkpoint_offload, enable_tiled_mlp
+
+TOL = 1e-5
+VARIANTS = {"tiled": (True, False), "offload": (False, True), "both": (True, True)}
+
+
+def memory_case(rank, world_size, group, variant):
+    tiled, offload = VARIANTS[variant]
+    ref, model = build_models("llama")
+    docs, batch = make_pack("span_all", world_size)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    counts = (enable_tiled_mlp(model, tile_tokens=3) if tiled else 0, enable_checkpoint_offload(model) if offload else 0)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(attn_backend="dense"))
+    assert local["input_ids"].shape[1] > 3, "a tile must be smaller than the shard"
+    with train_ctx():
+        loss = model(**local).loss
+        loss.backward()
+    return counts, compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
+
+
+@pytest.mark.parametrize("variant,world_size", [("tiled", 2), ("offload", 2), ("both", 1), ("both", 3)])
+def test_memory_helpers_stay_exact(gloo, world_size, variant):
+    layers = tiny_model().config.num_hidden_layers
+    for rank, (counts, errors) in enumerate(gloo(world_size).run(memory_case, variant=variant)):
+        tiled, offload = VARIANTS[variant]
+        assert counts == (layers if tiled else 0, layers if offload else 0)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= TOL, f"rank {rank} {variant} G={world_size}: {worst} relative error {errors[worst]:.2e}"
+
+
+def test_offload_needs_non_reentrant_checkpointing():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="no layer checkpoints"):
+        enable_checkpoint_offload(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        enable_checkpoint_offload(model)
+
+
+def test_tiled_mlp_refuses_bad_tiles_and_non_tensor_outputs():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="tile_tokens=0 must be a positive int"):
+        enable_tiled_mlp(model, tile_tokens=0)
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x: (x, None)  # what a mixture-of-experts block with router outputs returns
+    enable_tiled_mlp(model, tile_tokens=2)
+    with pytest.raises(TypeError, match="expected a tensor of its input's shape"):
+        model(input_ids=torch.randint(1, 50, (1, 5)), labels=torch.randint(1, 50, (1, 5))).loss.backward()
+
+
+def test_helpers_are_idempotent():
+    """Enabling twice wraps once: the tiled MLP calls the stock forward, one offload object per model."""
+    model = tiny_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    stock = model.model.layers[0].mlp.forward
+    enable_tiled_mlp(model, 4)
+    enable_tiled_mlp(model, 4)
+    assert model.model.layers[0].mlp.forward.args[1] == stock
+    enable_checkpoint_offload(model)
+    first = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    enable_checkpoint_offload(model)
+    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == first
+    assert len({id(f) for f in first}) == 1 and isinstance(first[0], CheckpointOffload)
