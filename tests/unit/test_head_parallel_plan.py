@@ -85,14 +85,17 @@ def test_the_kernel_sees_the_whole_pack_in_pack_order(runs, cp_size, kind):
             assert torch.equal(torch.arange(s_pad)[routes.to_slots], slots)
 
 
-@pytest.mark.parametrize("heads, kv_heads, g", [(4, 2, 2), (4, 2, 4), (12, 6, 4), (8, 1, 4), (6, 3, 3), (32, 8, 8)])
-def test_bytes_per_layer_count_both_all_to_alls(heads, kv_heads, g):
+# (query heads, kv heads, G, kv copies sent in all: the smallest multiple of the kv heads that G divides)
+BYTE_CASES = [(4, 2, 2, 2), (4, 2, 4, 4), (12, 6, 4, 12), (8, 1, 4, 4), (6, 3, 3, 3), (32, 8, 8, 8)]
+
+
+@pytest.mark.parametrize("heads, kv_heads, g, sent_kv", BYTE_CASES)
+def test_bytes_per_layer_count_both_all_to_alls(heads, kv_heads, g, sent_kv):
     """Forward: (G-1) blocks of L rows of this rank's q, k, v (kv copies as sent) come in, then
     (G-1) blocks of its own rows' outputs of the other head groups; backward the same again."""
     dk, dv, elem = 8, 6, 2
     layout = plan_layout([5, 19, 3, 11, 7], g)
     plan, rows = plan_exchange(layout), layout.local_len
-    sent_kv = {(4, 2, 2): 2, (4, 2, 4): 4, (12, 6, 4): 12, (8, 1, 4): 4, (6, 3, 3): 3, (32, 8, 8): 8}[(heads, kv_heads, g)]
     first = (g - 1) * rows * (heads // g * dk + sent_kv // g * (dk + dv)) * elem
     second = (g - 1) * rows * (heads // g * dv) * elem
     for rank in range(g):
