@@ -279,8 +279,10 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--dtype", default=None, help="attention/overlap dtype (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--attn-kernels", type=lambda s: s.split(","), default=None, help="attention/overlap kernels (default varlen on CUDA)")
-    p.add_argument("--exchanges", type=lambda s: s.split(","), default=list(exchange_names()),
-                   help="K/V exchanges to time (default: every registered one)")
+    p.add_argument("--exchanges", type=lambda s: s.split(","),
+                   default=[n for n in exchange_names() if not get_exchange(n).head_parallel],
+                   help="exchanges to time (default: every registered K/V exchange; a head-parallel one such as "
+                        "heads times in the attention part only)")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "balanced"])
     p.add_argument("--setups", type=lambda s: s.split(","), default=["magi", "ringflash"])
     p.add_argument("--tokens-per-rank", type=int, default=8192)

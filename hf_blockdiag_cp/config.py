@@ -33,9 +33,9 @@ class CPConfig:
     """What a CP step runs with.
 
     attn_backend: local kernel, `auto` or a kernel name (any accepted spelling).
-    kv_exchange: a registered exchange (`allgather`, `halo`, `a2a` ship; any accepted
-      spelling) or `auto`: per step the cheapest exact one (halo, else a2a, else allgather;
-      `planning.choose_exchange`). On a CP group over several nodes, from LOCAL_WORLD_SIZE,
+    kv_exchange: a registered exchange (`allgather`, `halo`, `a2a` and the head-parallel `heads`
+      ship; any accepted spelling) or `auto`: per step the cheapest exact K/V exchange (halo, else
+      a2a, else allgather; `planning.choose_exchange`; never `heads`). On a CP group over several nodes, from LOCAL_WORLD_SIZE,
       `auto` skips the exchanges that need a single node (halo, a2a) unless
       `allow_cross_node_a2a`.
     layout: layout strategy of packs sharded by the step (`contiguous`, `balanced`, or one

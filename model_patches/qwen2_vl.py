@@ -83,7 +83,7 @@ def _shard_text_inputs(module, args, kwargs):
     step = _step(kwargs)
     if step is None or step.world_size == 1:
         return None
-    padded, rows = step.layout.padded_seq_len, step.plan.q_positions
+    padded, rows = step.layout.padded_seq_len, step.layout.slot_positions[step.rank]
     for key in ("inputs_embeds", "input_ids"):
         t = kwargs.get(key)
         if t is not None and t.shape[1] == padded:

@@ -1,13 +1,15 @@
 """Attention entry points: the Transformers attention function and an SDPA drop-in.
 
 During a CP step every causal softmax-attention call runs: K/V exchange over the CP group,
-then the local kernel over this rank's queries and the keys they need. Outside a step both
-entry points are exactly Transformers' `sdpa` / `F.scaled_dot_product_attention` (I8).
+then the local kernel over this rank's queries and the keys they need; or, with a head-parallel
+exchange (`heads`), q, k, v to head shards, the kernel over the whole pack for this rank's heads,
+and the outputs back. Outside a step both entry points are exactly Transformers' `sdpa` /
+`F.scaled_dot_product_attention` (I8).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..comm.exchange import exchange_kv
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
+from ..planning import get_exchange
 from ..step.state import STEP_KWARG, CPStep, active_step
 from .model_check import check_model_support
 
@@ -42,6 +45,10 @@ class AttentionFeatures:
     def kernel_kwargs(self) -> dict:
         """Only the features in use, so kernels without them keep the plain signature."""
         return {n: getattr(self, n) for n in sorted(self.names)}
+
+    def for_heads(self, heads: slice) -> "AttentionFeatures":
+        """The features of query heads `heads` alone (a head-parallel rank's share of the sinks)."""
+        return self if self.sinks is None else replace(self, sinks=self.sinks.reshape(-1)[heads])
 
 
 def attention_features(query: torch.Tensor, kwargs: dict) -> AttentionFeatures:
@@ -94,16 +101,45 @@ def blockdiag_attention(
     scale: float | None,
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
+    layer: str = "an attention layer",
 ):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]:
-    the step's K/V exchange, then the local kernel over the rows it returned."""
+    the step's K/V exchange, then the local kernel over the rows it returned; or the step's
+    head-parallel exchange around the kernel. `layer` names the call in errors."""
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
-    ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
-    out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
+    record = get_exchange(step.kv_exchange)
+    if record.head_parallel:
+        out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, layer=layer)
+    else:
+        ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
+        out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
     step.attention_calls += 1
     return out.unsqueeze(0)
+
+
+def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, layer: str):
+    """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv] by the head-parallel `record`: its transport around the
+    local kernel, which runs with the step's plan (the whole pack) on this rank's heads.
+
+    The head counts are checked first: every rank runs the same layer shapes, so a layer the
+    exchange cannot split raises on every rank before any collective of that layer (I5)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    reason = record.heads_reason(heads, kv_heads, step.world_size)
+    if reason is not None:
+        raise ValueError(
+            f"blockdiag_cp: {layer} has {heads} query heads and {kv_heads} kv heads; kv_exchange={record.name!r} "
+            f"cannot split them over the CP size G={step.world_size}: {reason}. Choose a CP size that divides "
+            f"{heads}, or another kv_exchange"
+        )
+
+    def attend(q_heads, k_heads, v_heads, mine: slice):
+        return local_attention(
+            step, q_heads, k_heads, v_heads, scale=scale, sliding_window=sliding_window, features=features.for_heads(mine)
+        )
+
+    return record.transport(q, k, v, attend, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
 
 
 def needed_keys(plan, rows_k, rows_v):
@@ -194,7 +230,8 @@ def blockdiag_cp_attention_forward(
     check_model_support(step, module)
     _check_call(step, query, key, value, dropout, kwargs)
     out = blockdiag_attention(
-        step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"), features=features
+        step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"), features=features,
+        layer=f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})",
     )
     return out, None
 
@@ -258,5 +295,7 @@ def cp_blockdiag_sdpa(
     if attn_mask is not None:
         raise ValueError("cp_blockdiag_sdpa: pass either attn_mask or is_causal=True during a CP step, not both")
     _check_call(step, query, key, value, dropout_p, kwargs)
-    out = blockdiag_attention(step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"))
+    out = blockdiag_attention(
+        step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), layer="cp_blockdiag_sdpa"
+    )
     return out.transpose(1, 2)

@@ -203,9 +203,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=3, help="rate measurements per rank (median), the ranks taking turns")
     p.add_argument("--calls", type=int, default=4, help="calls queued back to back per rate measurement")
-    p.add_argument("--exchange", default="allgather", choices=exchange_names(),
+    p.add_argument("--exchange", default="allgather",
+                   choices=[n for n in exchange_names() if not get_exchange(n).head_parallel],
                    help="the exchange whose key buffer each rank's kernel sees: allgather (all G·L rows) "
-                        "or a needed-only one (halo, a2a: the rank's needed rows)")
+                        "or a needed-only one (halo, a2a: the rank's needed rows); head-parallel ones see the whole pack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")

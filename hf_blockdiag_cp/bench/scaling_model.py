@@ -138,7 +138,7 @@ def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> Pac
     plan = plan_exchange(lay)
     rows = {}
     for record in exchange_records():
-        if record.reason(plan) is None:
+        if record.reason(plan) is None and record.row_bytes is None:  # K/V rows only: the model's T_kv
             per_rank = [record.rows_per_layer(plan, r) for r in range(G)]
             rows[(record.name, "fwd")] = max(f for f, _ in per_rank)
             rows[(record.name, "bwd")] = max(b for _, b in per_rank)

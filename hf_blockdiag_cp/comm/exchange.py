@@ -170,5 +170,9 @@ def routed_transport(name: str, collective: RoutedCollective):
 
 def exchange_kv(name: str, k, v, group, world_size: int, routes=None, meter: ExchangeMeter | None = None):
     """Run the registered exchange `name` on K `[L, Hkv, Dk]` and V `[L, Hkv, Dv]`: one row per
-    entry of its plan's `row_positions`. Every rank of the group must call it alike (I5)."""
-    return get_exchange(name).transport(k, v, group, world_size, routes, meter)
+    entry of its plan's `row_positions`. Every rank of the group must call it alike (I5).
+    K/V exchanges only: a head-parallel one moves q too and runs around the kernel (`attention.entry`)."""
+    record = get_exchange(name)
+    if record.head_parallel:
+        raise ValueError(f"kv_exchange={name!r} is head-parallel: it moves q, k and v around the kernel, not K/V rows alone")
+    return record.transport(k, v, group, world_size, routes, meter)

@@ -5,8 +5,9 @@ tested exhaustively against dense masks and reused by the benchmarks. Modules, b
 `segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
 strategies, registered by name), `balance` (the "balanced" strategy; its candidate layouts in
 `balance_candidates`), `rank_plan` (one rank's queries, keys and varlen offsets),
-`exchange_plan` (needed keys and traffic),
-`exchange_registry` (one `ExchangeRecord` per K/V exchange, registered by `comm.exchanges`),
+`exchange_plan` (needed keys and traffic), `head_parallel` (the head-parallel exchange's head
+split, plan and bytes), `exchange_registry` (one `ExchangeRecord` per exchange, registered by
+`comm.exchanges`),
 `kernel_cost` (what a tiled kernel spends on a query run: `KernelCost`, the one home of run
 arithmetic), `cost` (work, predicted cost and bytes per rank).
 """
@@ -14,6 +15,7 @@ arithmetic), `cost` (work, predicted cost and bytes per rank).
 from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
 from .cost import LayoutCost, ideal_cost, layout_cost, rank_cost, rank_features, rank_runs, rank_work, split_documents
 from .exchange_plan import (
+    AttentionShape,
     ExchangeBytes,
     ExchangePlan,
     RankExchange,
@@ -36,6 +38,15 @@ from .exchange_registry import (
     register_exchange,
     unregister_exchange,
 )
+from .head_parallel import (
+    HeadRoutes,
+    head_parallel_row_bytes,
+    head_parallel_rows_per_layer,
+    head_split_reason,
+    kv_head_repeats,
+    pack_as_one_rank,
+    plan_head_parallel,
+)
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs
 from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
 from .rank_plan import RankPlan, dense_allowed, key_row_levels, plan_rank, validate_rank_plan
@@ -50,12 +61,14 @@ from .segments import (
 )
 
 __all__ = [
+    "AttentionShape",
     "DEFAULT_KERNEL_COST",
     "DEFAULT_TOLERANCE",
     "PAIR_COUNT",
     "ExchangeBytes",
     "ExchangePlan",
     "ExchangeRecord",
+    "HeadRoutes",
     "KernelCost",
     "Layout",
     "LayoutCost",
@@ -72,16 +85,22 @@ __all__ = [
     "exchange_names",
     "exchange_records",
     "get_exchange",
+    "head_parallel_row_bytes",
+    "head_parallel_rows_per_layer",
+    "head_split_reason",
     "ideal_cost",
     "key_row_levels",
+    "kv_head_repeats",
     "kv_row_bytes",
     "layout_cost",
     "layout_strategies",
     "needed_intervals",
     "needed_rank_plan",
     "needed_rows_per_layer",
+    "pack_as_one_rank",
     "padded_length",
     "plan_exchange",
+    "plan_head_parallel",
     "plan_needed_rows",
     "plan_layout",
     "plan_rank",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .exchange_plan import kv_row_bytes, plan_exchange
+from .exchange_plan import AttentionShape, plan_exchange
 from .exchange_registry import exchange_records
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs  # noqa: F401  (re-exported)
 from .layout import Layout
@@ -68,8 +68,9 @@ def split_documents(layout: Layout) -> int:
 @dataclass(frozen=True)
 class LayoutCost:
     """What a layout costs each rank per attention layer. `exchange_bytes` has, for every
-    registered exchange that can serve the layout, the K/V bytes each rank receives in the
-    forward (the record's `rows_per_layer` says what the backward receives)."""
+    registered exchange that can serve the layout (and the heads, for a head-parallel one), the
+    bytes each rank receives in the forward (the record's `rows_per_layer` says what the
+    backward receives)."""
 
     work: list[int]  # block-causal query-key pairs
     cost: list[float]  # predicted kernel cost (`KernelCost`, units of one full tile)
@@ -103,9 +104,12 @@ def layout_cost(
     head_dim_v: int = 128,
     bytes_per_element: int = 2,
     kernel_cost: KernelCost = DEFAULT_KERNEL_COST,
+    heads: int | None = None,
 ) -> LayoutCost:
-    """Per-rank work, predicted cost, tokens and K/V bytes of `layout`; the defaults are 8 kv heads of dim 128 in bf16."""
-    row_bytes = kv_row_bytes(kv_heads, head_dim_k, head_dim_v, bytes_per_element)
+    """Per-rank work, predicted cost, tokens and exchange bytes of `layout`; the defaults are 8 kv
+    heads of dim 128 in bf16. Exchanges whose rows carry query heads too (head-parallel) are
+    listed only with `heads`, the query heads, and when they can split them over the ranks."""
+    shape = AttentionShape(kv_heads if heads is None else heads, kv_heads, head_dim_k, head_dim_v, bytes_per_element)
     plan = plan_exchange(layout)
     ranks = range(layout.cp_size)
     return LayoutCost(
@@ -114,9 +118,10 @@ def layout_cost(
         ideal=ideal_cost(layout, kernel_cost),
         tokens=layout.real_tokens_per_rank(),
         exchange_bytes={
-            x.name: [x.bytes_per_layer(plan, r, row_bytes).forward for r in ranks]
+            x.name: [x.layer_bytes(plan, r, shape).forward for r in ranks]
             for x in exchange_records()
             if x.reason(plan) is None
+            and (x.row_bytes is None or (heads is not None and x.heads_reason(heads, kv_heads, layout.cp_size) is None))
         },
         split_documents=split_documents(layout),
     )

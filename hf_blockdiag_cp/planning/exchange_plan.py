@@ -100,6 +100,22 @@ def kv_row_bytes(kv_heads: int, head_dim_k: int, head_dim_v: int, bytes_per_elem
     return kv_heads * (head_dim_k + head_dim_v) * bytes_per_element
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """The heads of one attention layer, for the bytes of exchanges whose rows carry more than
+    K/V (a head-parallel exchange also moves the queries and the outputs)."""
+
+    heads: int
+    kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    bytes_per_element: int
+
+    @property
+    def kv_row_bytes(self) -> int:
+        return kv_row_bytes(self.kv_heads, self.head_dim_k, self.head_dim_v, self.bytes_per_element)
+
+
 def plan_exchange(layout: Layout, sliding_window: int | None = None) -> ExchangePlan:
     """The needed keys and traffic of `layout` (keys clipped to `sliding_window` when given)."""
     g = layout.cp_size

@@ -1,7 +1,8 @@
-"""One record per K/V exchange, and the choice among them.
+"""One record per exchange, and the choice among them.
 
 An exchange moves K/V rows over the CP group so that each rank's kernel gets the keys its
-queries need. Its `ExchangeRecord` says how: a pure per-rank `plan` (which rows the exchange
+queries need, or (a head-parallel record, `heads`) moves q, k, v so that each rank attends over
+the whole pack for its share of the heads. Its `ExchangeRecord` says how: a pure per-rank `plan` (which rows the exchange
 returns to the rank and the tables its transport runs with), the rows it moves per layer
 (`rows_per_layer`, read by `planning.cost` and by `auto`), when it cannot serve a layout
 (`unsupported_reason`, with a `fallback`), its requirements (`needs_single_node`), its place
@@ -25,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from .exchange_plan import ExchangeBytes, ExchangePlan, RankExchange
+from .exchange_plan import AttentionShape, ExchangeBytes, ExchangePlan, RankExchange
 from .layout import Layout
 
 AUTO = "auto"
@@ -33,7 +34,7 @@ AUTO = "auto"
 
 @dataclass(frozen=True)
 class ExchangeRecord:
-    """A K/V exchange and what it needs.
+    """An exchange and what it needs.
 
     plan(layout, exchange_plan, rank) -> RankExchange: pure; the rows returned to `rank` (pack
       positions, in the order the transport returns them: what a kernel with `takes_all_rows`
@@ -45,6 +46,15 @@ class ExchangeRecord:
     transport(k, v, group, world_size, routes, meter) -> (k_rows, v_rows): differentiable; takes
       this rank's K `[L, Hkv, Dk]`, V `[L, Hkv, Dv]` and returns one row per `row_positions`
       entry. Every rank of the group issues the same collectives in the same order (I5).
+    head_parallel: the record moves q, k, v to head shards and the outputs back, around the
+      kernel: `transport(q, k, v, attend, group, world_size, routes, meter) -> [L, H, Dv]` from
+      q `[L, H, Dk]`, k `[L, Hkv, Dk]`, v `[L, Hkv, Dv]`, where `attend(q, k, v, heads)` runs the
+      local kernel over what the rank received (`heads`: the slice of query heads it holds). Its
+      `plan` covers every query the rank's kernel sees (`plan_queries`), the whole pack.
+    unsupported_heads(heads, kv_heads, cp_size) -> str | None: why a layer with these head counts
+      cannot run over `cp_size` ranks (None: any; K/V exchanges never look at heads).
+    row_bytes(shape, cp_size) -> int: bytes of one row `rows_per_layer` counts, when the rows are
+      not K/V rows (`AttentionShape`; None: a K/V row, `shape.kv_row_bytes`).
     unsupported_reason(exchange_plan) -> str | None: why the exchange cannot serve a layout (None:
       any layout). An explicit request it cannot serve runs `fallback` (None: raise).
     needs_plan: whether `plan` reads the `ExchangePlan` (False: a step asked for this exchange by
@@ -52,7 +62,8 @@ class ExchangeRecord:
     needs_single_node: `auto` skips it on a CP group over several nodes unless
       `CPConfig.allow_cross_node_a2a`.
     auto_priority: `auto` takes the cheapest exchange that serves the step (busiest rank's forward
-      + backward rows); ties go to the lowest priority. None: never chosen by `auto`.
+      + backward rows); ties go to the lowest priority. None: never chosen by `auto`. A record
+      with `row_bytes` cannot have one: the step chooses before any layer's head counts are known.
     """
 
     name: str
@@ -65,21 +76,51 @@ class ExchangeRecord:
     needs_plan: bool = True
     needs_single_node: bool = False
     auto_priority: int | None = None
+    head_parallel: bool = False
+    unsupported_heads: Callable[[int, int, int], str | None] | None = None
+    row_bytes: Callable[[AttentionShape, int], int] | None = None
 
     def __post_init__(self):
         if not self.needs_plan and self.unsupported_reason is not None:
             raise ValueError(f"exchange {self.name!r}: an exchange that needs no plan must serve every layout")
         if self.fallback == self.name:
             raise ValueError(f"exchange {self.name!r} cannot fall back to itself")
+        if self.row_bytes is not None and self.auto_priority is not None:
+            raise ValueError(
+                f"exchange {self.name!r}: `auto` compares K/V rows before any layer's heads are known, so a record "
+                "whose rows are not K/V rows (row_bytes) needs auto_priority=None"
+            )
+        if self.head_parallel and (self.unsupported_heads is None or self.row_bytes is None):
+            raise ValueError(f"exchange {self.name!r}: a head-parallel record needs unsupported_heads and row_bytes")
 
     def reason(self, plan: ExchangePlan | None) -> str | None:
         """Why this exchange cannot serve the layout of `plan`, or None if it can."""
         return None if self.unsupported_reason is None else self.unsupported_reason(plan)
 
+    def heads_reason(self, heads: int, kv_heads: int, cp_size: int) -> str | None:
+        """Why this exchange cannot run a layer of `heads` query and `kv_heads` kv heads over `cp_size` ranks, or None."""
+        return None if self.unsupported_heads is None else self.unsupported_heads(heads, kv_heads, cp_size)
+
+    def plan_queries(self, layout: Layout) -> int:
+        """Queries in a rank's plan: its L rows, or the whole pack for a head-parallel exchange."""
+        return layout.padded_seq_len if self.head_parallel else layout.local_len
+
     def bytes_per_layer(self, plan: ExchangePlan, rank: int, row_bytes: int) -> ExchangeBytes:
-        """Bytes `rank` receives per attention layer; `row_bytes` = Hkv·(Dk+Dv)·element size (`kv_row_bytes`)."""
+        """Bytes `rank` receives per attention layer; `row_bytes` = Hkv·(Dk+Dv)·element size (`kv_row_bytes`).
+        K/V exchanges only: the others' bytes depend on the query heads (`layer_bytes`)."""
+        if self.row_bytes is not None:
+            raise ValueError(
+                f"exchange {self.name!r} moves more than K/V rows; its bytes need the layer's heads: "
+                "use layer_bytes(plan, rank, AttentionShape(...))"
+            )
         forward, backward = self.rows_per_layer(plan, rank)
         return ExchangeBytes(forward * row_bytes, backward * row_bytes)
+
+    def layer_bytes(self, plan: ExchangePlan, rank: int, shape: AttentionShape) -> ExchangeBytes:
+        """Bytes `rank` receives per attention layer of `shape`, for any exchange."""
+        row = shape.kv_row_bytes if self.row_bytes is None else self.row_bytes(shape, plan.cp_size)
+        forward, backward = self.rows_per_layer(plan, rank)
+        return ExchangeBytes(forward * row, backward * row)
 
     def max_rows(self, plan: ExchangePlan) -> int:
         """Forward + backward rows received by the busiest rank: the cost `auto` compares."""

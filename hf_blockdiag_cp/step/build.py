@@ -41,7 +41,8 @@ def build_step(
     exchange_plan: ExchangePlan | None = None,
 ) -> CPStep:
     """The step object of rank `rank` for `layout`: its attention plan over the rows the exchange
-    returns (validated on the host, then moved to `device` once) and the exchange's routes.
+    returns (validated on the host, then moved to `device` once) and the exchange's routes. For a
+    head-parallel exchange the plan is the whole pack's, as one rank (every rank's kernel sees it).
 
     `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the registered exchange
     this step runs (as agreed by the group); `exchange_plan` is planned here if the exchange
@@ -53,7 +54,7 @@ def build_step(
     mine = record.plan(layout, exchange_plan, rank)
     rank_plan, rows = mine.rank_plan, mine.row_positions
     # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
-    validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
+    validate_rank_plan(rank_plan, record.plan_queries(layout), rank_plan.num_keys, num_rows=rows.numel())
     boundaries = layout.segments.boundaries
     return CPStep(
         group=group,

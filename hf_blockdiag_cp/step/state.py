@@ -43,7 +43,8 @@ class BlockdiagCpModelState:
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """This rank's `RankPlan` moved to the compute device once per step."""
+    """This rank's `RankPlan` moved to the compute device once per step: the plan its kernel runs
+    with (under a head-parallel exchange, the whole pack's: every position, in pack order)."""
 
     q_positions: torch.Tensor
     q_segments: torch.Tensor

@@ -14,18 +14,25 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.bench.common import histogram_lengths
 from hf_blockdiag_cp.bench.setups import HIST_CSV
-from hf_blockdiag_cp.planning import PAIR_COUNT, exchange_names  # PAIR_COUNT: balanced layouts permute tiny packs
+from hf_blockdiag_cp.planning import PAIR_COUNT  # balanced layouts permute tiny packs
+from helpers.exchanges import exchanges_for
 from helpers.packs import make_pack
 from helpers.reference import build_models, make_docs, mean_over_group, reference_loss_and_grads, rel_err
 
-EXCHANGES = exchange_names()  # every registered exchange
 LAYOUTS = ("contiguous", "balanced")
 PACKS = ("straddle", "padding_rank", "span_all")
+HEADS = (4, 2)  # query, KV heads of the matrix's model
+
+
+def matrix_exchanges(world_size: int) -> tuple[str, ...]:
+    """Every registered exchange that can split the model's heads over `world_size` ranks (a
+    head-parallel one needs the 4 query heads divisible by G: not at G = 3)."""
+    return exchanges_for(world_size, HEADS)
 
 
 def model_dims(head_dim: int) -> dict:
     """The tiny Llama of the matrix: 4 query / 2 KV heads (GQA) of `head_dim`."""
-    return dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim)
+    return dict(hidden_size=64, intermediate_size=128, num_attention_heads=HEADS[0], num_key_value_heads=HEADS[1], head_dim=head_dim)
 
 
 def real_lengths_pack(tokens: int, seed: int = 3):
@@ -95,7 +102,7 @@ def parity_matrix_case(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         batch = {k: v.to(device) for k, v in batch.items()}
         for kernel in kernels:
-            for exchange in EXCHANGES:
+            for exchange in matrix_exchanges(world_size):
                 for layout in LAYOUTS:
                     config = bdcp.CPConfig(attn_backend=kernel, kv_exchange=exchange, layout=layout, kernel_cost=PAIR_COUNT)
                     row = {"pack": pack, "kernel": kernel, "exchange": exchange, "layout": layout,

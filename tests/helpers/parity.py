@@ -9,7 +9,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import PAIR_COUNT  # permuted layouts even for packs shorter than a tile
-from hf_blockdiag_cp.planning import get_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.planning import AttentionShape, get_exchange, plan_exchange
 from helpers.packs import make_pack
 from helpers.reference import build_models, compare_with_reference, reference_loss_and_grads
 
@@ -41,7 +41,7 @@ def parity_case(
 
 
 def exchange_step_case(rank, world_size, group, layout, exchange):
-    """The exchange the step runs, and the K/V bytes it moved in one llama fwd+bwd with
+    """The exchange the step runs, and the bytes it moved in one llama fwd+bwd with
     checkpointing, against its record's plan (forward twice: once more in recompute)."""
     _, model = build_models("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -52,8 +52,8 @@ def exchange_step_case(rank, world_size, group, layout, exchange):
     with train_ctx():
         model(**local).loss.backward()
     cfg = model.config
-    row_bytes = kv_row_bytes(cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
+    shape = AttentionShape(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.head_dim, torch.float32.itemsize)
     layers = cfg.num_hidden_layers
-    plan = get_exchange(step.kv_exchange).bytes_per_layer(plan_exchange(step.layout), rank, row_bytes)
+    plan = get_exchange(step.kv_exchange).layer_bytes(plan_exchange(step.layout), rank, shape)
     meter = step.exchange_bytes
     return step.kv_exchange, (meter.forward_bytes, meter.backward_bytes), (2 * layers * plan.forward, layers * plan.backward)

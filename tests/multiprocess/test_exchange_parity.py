@@ -1,8 +1,10 @@
-"""Exactness (I1, I2; docs/design.md) with every registered K/V exchange and `auto`: the same loss
+"""Exactness (I1, I2; docs/design.md) with every registered exchange and `auto`: the same loss
 and gradients as the stock model on each document separately, at world sizes 2-4, with and
 without activation checkpointing (the parity case of helpers/parity.py), including a document
 over three or more ranks (halo hands over to a2a) and a rank that holds only padding; the bytes
-each step moves equal its record's plan; ranks that would run different exchanges raise."""
+each step moves equal its record's plan; ranks that would run different exchanges raise. A
+head-parallel exchange is skipped where the tiny models' query heads do not split over G (it
+raises then; tests/multiprocess/test_heads_exchange.py covers that and G = 3 with 6 heads)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import choose_exchange, exchange_names, plan_exchange, plan_layout
 from hf_blockdiag_cp.step import document_ids_of
+from helpers.exchanges import heads_refusal
 from helpers.packs import make_pack
 from helpers.parity import TOL, exchange_step_case, parity_case
 
@@ -47,6 +50,9 @@ def _check(results):
 @pytest.mark.parametrize("layout", ["span_all", "padding_rank"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_exchange_parity(gloo, world_size, layout, exchange):
+    reason = None if exchange == "auto" else heads_refusal(exchange, world_size)
+    if reason is not None:
+        pytest.skip(f"kv_exchange={exchange!r} cannot run the tiny models at G={world_size}: {reason}")
     pool = gloo(world_size)
     chosen = pool.run(exchange_step_case, layout=layout, exchange=exchange)
     want = expected_exchange(layout, world_size, exchange)
@@ -69,6 +75,9 @@ def test_halo_straddle_three_ranks(gloo):
 def test_gqa_exchange_parity(gloo, exchange):
     """Grouped K/V heads travel un-repeated: 4 kv heads, 8 query heads (GQA 2), at G = 3 with a
     document over every rank."""
+    reason = heads_refusal(exchange, 3, (8, 4))
+    if reason is not None:
+        pytest.skip(f"kv_exchange={exchange!r} cannot split 8 query heads over G=3: {reason}")
     families = (("llama", {"num_key_value_heads": 4, "num_attention_heads": 8}),)
     _check(gloo(3).run(parity_case, layout="span_all", families=families, exchange=exchange))
 

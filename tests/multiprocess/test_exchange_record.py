@@ -54,11 +54,11 @@ def toy_case(rank, world_size, group, layout):
 
 def test_the_registry_takes_a_toy_and_gives_it_back(toy_registered):
     assert bdcp.CPConfig(kv_exchange="GATHER-INDEX").kv_exchange == "gather_then_index"
-    assert exchange_names() == ("allgather", "halo", "a2a", "gather_then_index")
+    assert exchange_names() == ("allgather", "halo", "a2a", "heads", "gather_then_index")
 
 
 def test_config_refuses_the_toy_when_it_is_not_registered():
-    with pytest.raises(ValueError, match="kv_exchange='gather-index' is not supported; accepted values: auto, allgather, halo, a2a "):
+    with pytest.raises(ValueError, match="kv_exchange='gather-index' is not supported; accepted values: auto, allgather, halo, a2a, heads "):
         bdcp.CPConfig(kv_exchange="gather-index")
 
 

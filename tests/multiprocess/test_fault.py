@@ -24,6 +24,7 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp import kernels
 from hf_blockdiag_cp.planning import choose_exchange, exchange_names, plan_exchange, plan_layout
 from hf_blockdiag_cp.step import document_ids_of
+from helpers.exchanges import heads_refusal
 from helpers.packs import make_pack
 from helpers.reference import build_models
 
@@ -34,7 +35,7 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fault_case(rank, world_size, group, exchange, layout, failing_rank):
+def fault_case(rank, world_size, group, exchange, layout, failing_rank, overrides):
     sub = dist.new_group(backend="gloo", timeout=timedelta(seconds=10 * CASE_TIMEOUT))
     original = kernels.get_kernel("dense")
 
@@ -48,7 +49,7 @@ def fault_case(rank, world_size, group, exchange, layout, failing_rank):
     error, refused_again, ran = None, None, None
     try:
         for _ in range(2):  # a rank that depends on nobody who failed meets the others at the next step
-            _, model = build_models("llama")
+            _, model = build_models("llama", **overrides)
             _, batch = make_pack(layout, world_size)
             train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(sub, None, batch, config=config)
             ran = local["blockdiag_cp_step"].kv_exchange
@@ -82,26 +83,29 @@ WORLD_SIZE = 3
 
 
 def fault_cases():
-    """(exchange, layout, failing rank) per registered exchange: a document over every rank, or, for
-    an exchange that cannot serve that (halo), short documents across shard boundaries, where only
-    rank 1 talks to rank 2, so the failure reaches rank 0 through rank 1."""
+    """(exchange, layout, failing rank, model overrides) per registered exchange: a document over
+    every rank, or, for an exchange that cannot serve that (halo), short documents across shard
+    boundaries, where only rank 1 talks to rank 2, so the failure reaches rank 0 through rank 1. A
+    head-parallel exchange, which cannot split the tiny model's 4 query heads over 3 ranks, runs it
+    with 6 query / 3 kv heads."""
     cases = []
     for name in exchange_names():
+        overrides = {} if heads_refusal(name, WORLD_SIZE) is None else {"num_attention_heads": 6, "num_key_value_heads": 3}
         for layout, failing_rank in (("span_all", 1), ("straddle", 2)):
             _, batch = make_pack(layout, WORLD_SIZE)
             ids = document_ids_of(batch, batch["input_ids"].shape[1])
             if choose_exchange(name, plan_exchange(plan_layout(ids, WORLD_SIZE))) == name:
-                cases.append((name, layout, failing_rank))
+                cases.append((name, layout, failing_rank, overrides))
                 break
     return cases
 
 
-@pytest.mark.parametrize("exchange, layout, failing_rank", fault_cases())
-def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank):
+@pytest.mark.parametrize("exchange, layout, failing_rank, overrides", fault_cases())
+def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank, overrides):
     world_size = WORLD_SIZE
     pool = gloo(world_size)
     results, errors = pool.run_collecting(
-        fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank
+        fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank, overrides=overrides
     )
     assert not results, f"ranks {sorted(results)} did not raise: {results}"
     assert sorted(errors) == list(range(world_size))

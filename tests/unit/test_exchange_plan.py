@@ -179,24 +179,28 @@ def check_choice(plan):
 @given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS))
 def test_every_exchange_plans_exact_attention(runs, cp_size, kind):
     """Every registered exchange's per-rank plan is valid over the rows it returns, and its real
-    queries see exactly the keys of `plan_rank` (the dense mask's): a new record is checked here."""
+    queries (the rank's rows; every position for a head-parallel exchange, whose kernel sees the
+    whole pack) see exactly the keys of the dense mask: a new record is checked here."""
     layout = make_layout(pack_ids(runs), cp_size, kind)
     plan = plan_exchange(layout)
     s_pad = layout.padded_seq_len
+    every, segments = torch.arange(s_pad), layout.segments.segment_ids
     for record in exchange_records():
         for r in range(cp_size):
             mine = record.plan(layout, plan if record.needs_plan else None, r)
             rank_plan, rows = mine.rank_plan, mine.row_positions
-            validate_rank_plan(rank_plan, layout.local_len, rank_plan.num_keys, num_rows=rows.numel())
+            validate_rank_plan(rank_plan, record.plan_queries(layout), rank_plan.num_keys, num_rows=rows.numel())
             keys = rows[slice(*rank_plan.key_rows)] if isinstance(rank_plan.key_rows, tuple) else rows[rank_plan.key_rows]
             assert torch.equal(keys, rank_plan.k_positions), (record.name, r)
-            full = plan_rank(layout, r)
-            assert torch.equal(rank_plan.q_positions, full.q_positions)
-            real = layout.document_ids[full.q_positions] > 0
-            seen = [torch.zeros(full.q_positions.numel(), s_pad, dtype=torch.bool) for _ in range(2)]
-            for m, p in zip(seen, (full, rank_plan)):
-                m[:, p.k_positions] = dense_allowed(p.q_positions, p.q_segments, p.k_positions, p.k_segments, None)
-            assert torch.equal(seen[0][real], seen[1][real]), (record.name, r)
+            queries = every if record.head_parallel else layout.slot_positions[r]
+            assert torch.equal(rank_plan.q_positions, queries), (record.name, r)
+            real = layout.document_ids[queries] > 0
+            want = dense_allowed(queries, segments[queries], every, segments, None)
+            seen = torch.zeros(queries.numel(), s_pad, dtype=torch.bool)
+            seen[:, rank_plan.k_positions] = dense_allowed(
+                rank_plan.q_positions, rank_plan.q_segments, rank_plan.k_positions, rank_plan.k_segments, None
+            )
+            assert torch.equal(want[real], seen[real]), (record.name, r)
             forward, backward = record.rows_per_layer(plan, r)
             assert forward >= 0 and backward >= 0
 
@@ -223,15 +227,15 @@ def _toy(name: str, **fields) -> ExchangeRecord:
 def test_config_spellings_come_from_the_registry():
     assert bdcp.CPConfig(kv_exchange="All-To-All").kv_exchange == "a2a"
     assert bdcp.CPConfig(kv_exchange="LEFT_HALO").kv_exchange == "halo"
-    with pytest.raises(ValueError, match=r"accepted values: auto, allgather, halo, a2a \(synonyms: .*all_to_all_v"):
+    with pytest.raises(ValueError, match=r"accepted values: auto, allgather, halo, a2a, heads \(synonyms: .*all_to_all_v"):
         bdcp.CPConfig(kv_exchange="ring")
     with pytest.raises(TypeError, match="kv_exchange must be a string"):
         bdcp.CPConfig(kv_exchange=3)
     with registered_exchange(_toy("ring", aliases=("ring-attention",))):
         assert bdcp.CPConfig(kv_exchange="Ring_Attention").kv_exchange == "ring"
-        with pytest.raises(ValueError, match="accepted values: auto, allgather, halo, a2a, ring "):
+        with pytest.raises(ValueError, match="accepted values: auto, allgather, halo, a2a, heads, ring "):
             bdcp.CPConfig(kv_exchange="zigzag")
-    assert exchange_names() == ("allgather", "halo", "a2a")
+    assert exchange_names() == ("allgather", "halo", "a2a", "heads")
     with pytest.raises(ValueError, match="kv_exchange='ring_attention' is not supported"):
         bdcp.CPConfig(kv_exchange="ring_attention")
 
@@ -245,7 +249,7 @@ def test_registry_refuses_ambiguous_records():
         _toy("ring", fallback="ring")
     with pytest.raises(ValueError, match="needs no plan must serve every layout"):
         _toy("ring", needs_plan=False, unsupported_reason=lambda plan: "never")
-    assert exchange_names() == ("allgather", "halo", "a2a")
+    assert exchange_names() == ("allgather", "halo", "a2a", "heads")
 
 
 def test_auto_iterates_the_records():

@@ -17,29 +17,10 @@ from hf_blockdiag_cp.attention import AttentionFeatures, blockdiag_cp_attention_
 from hf_blockdiag_cp.kernels import choose_kernel, unsupported_reason
 from hf_blockdiag_cp.kernels.flex import flex_attention_kernel
 from hf_blockdiag_cp.step import build_step
-from helpers.kernel_inputs import kernel_inputs
+from helpers.kernel_inputs import kernel_inputs, naive_attention
 from helpers.model_packs import vl_image_pack
 from helpers.model_zoo import build_pair
 from helpers.reference import rel_err
-
-
-def naive_attention(q, k, v, doc_ids, *, scale, window=None, softcap=None, sinks=None):
-    """fp64 reference over the whole pack: q/k/v [S,H*,D], per-document causal, window, softcap, sinks."""
-    q, k, v = q.double(), k.double(), v.double()
-    heads, group = q.shape[1], q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    pos = torch.arange(q.shape[0])
-    allowed = (doc_ids[:, None] == doc_ids[None, :]) & (pos[None, :] <= pos[:, None])
-    if window is not None:
-        allowed &= pos[None, :] > pos[:, None] - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.double().view(heads, 1, 1).expand(heads, q.shape[0], 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1)[..., : k.shape[0]]
-    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
