@@ -16,12 +16,17 @@ import torch.distributed as dist
 from ...comm.consensus import collective_device
 from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh
 from ...data.collator import BlockdiagCPCollator
+from ...data.packing import oversize_policy
 from ..transformers import ATTN_IMPLEMENTATION
 
 
 @dataclass(frozen=True)
 class PackingOptions:
-    """How the Trainer packs `train_dataset` (see `hf_blockdiag_cp.data.packed_dataloader`)."""
+    """How the Trainer packs its train and eval datasets (see `hf_blockdiag_cp.data.packed_dataloader`).
+
+    `oversize`: what happens to a document longer than `max_tokens`: "split" (cut into pack-sized
+    pieces, each its own document; a warning counts them) or "raise" (a ValueError naming it).
+    """
 
     max_tokens: int
     pad_token_id: int = 0
@@ -29,6 +34,9 @@ class PackingOptions:
     oversize: str = "split"
     shuffle: bool = True
     length_key: str = "input_ids"
+
+    def __post_init__(self):
+        object.__setattr__(self, "oversize", oversize_policy(self.oversize))  # frozen: normalise once
 
     def validate(self, cp_size: int) -> None:
         """Raise ValueError naming the field (the collator's own checks: positive, multiple of 2*cp_size, ...)."""

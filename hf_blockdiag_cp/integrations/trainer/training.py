@@ -54,8 +54,8 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         [dp*cp_size, (dp+1)*cp_size). Default: `hf_blockdiag_cp.comm.build_dp_cp_mesh(...).cp`.
       cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
         default, `configure_cp`). Its layout shards training and evaluation packs.
-      pad_token_id, packing_buffer_size, oversize ("split"|"reject"), shuffle, length_key:
-        packing options of `hf_blockdiag_cp.data.packed_dataloader`.
+      pad_token_id, packing_buffer_size, oversize ("split"|"raise"), shuffle, length_key:
+        packing options (`PackingOptions`) of `hf_blockdiag_cp.data.packed_dataloader`.
     Do not pass `data_collator`: training batches come from the packed dataloader.
     """
 
