@@ -104,11 +104,31 @@ def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
         ids, source = torch.ones(seq_len, dtype=torch.long), "input_ids"  # one document
     mask = _row(batch, "attention_mask", seq_len)
     if mask is not None:
-        ids = torch.where(mask.reshape(-1).cpu().bool(), ids, torch.zeros_like(ids))
-        source += " and attention_mask"
+        ids = torch.where(_right_padding(mask), ids, torch.zeros_like(ids))
     validate_padding_at_end(ids, source)  # first: a hole of padding also splits a document in two
     validate_document_ids(ids, source)
     return ids
+
+
+def _right_padding(mask: torch.Tensor) -> torch.Tensor:
+    """`attention_mask` [1, S] as a bool row [S]; raise unless it is 1s then 0s (padding only at the end)."""
+    flat = mask.reshape(-1).cpu()
+    if not bool(((flat == 0) | (flat == 1)).all()):
+        raise ValueError(
+            "batch['attention_mask'] must hold only 1 (token) and 0 (padding); got values "
+            f"{flat.unique()[:6].tolist()}"
+        )
+    keep = flat.bool()
+    if bool(keep.any()):
+        last = int(torch.nonzero(keep)[-1])
+        if not bool(keep[: last + 1].all()):
+            first = int(torch.nonzero(~keep[: last + 1])[0])
+            raise ValueError(
+                f"batch['attention_mask'] has a 0 (padding) at position {first}, before a 1 (a token) at position "
+                f"{last}; a packed row may be padded only at its end (right padding). Left-padded or holed rows are "
+                "not packs: drop those zeros, and mark document boundaries with position_ids or document_ids"
+            )
+    return keep
 
 
 def shifted_labels(labels: torch.Tensor, padded_ids: torch.Tensor) -> torch.Tensor:
