@@ -3,7 +3,8 @@ dp=2 x cp=2 logs the same loss and grad norm at every step and ends with the sam
 as the *stock* Trainer with the *stock* `sdpa` model on the same packs in one process (labels
 masked at document starts, position ids restarting per document: Transformers' own packed
 path). SGD without clipping, so a gradient scale error shows in the weights (Adam would hide
-it). Plus the Trainer's setup checks, which must raise on every rank. The callback's own checks
+it). The first log names the kernel, exchange and layout the steps ran, once. Plus the Trainer's
+setup checks, which must raise on every rank. The callback's own checks
 and the token meter, in one process: unit/test_trainer_parts.py.
 
 The Trainers run inside the shared gloo pool: accelerate's PartialState joins an already
@@ -194,6 +195,13 @@ def _assert_same_training(got: dict, ref: dict, what: str) -> None:
         assert err <= UPDATE_TOL * update, f"{what}: {name} differs by {err:.3e}, its update is {update:.3e}"
 
 
+def _logged_choices(got: dict) -> list[dict]:
+    """The step choices of every training log that has them; they must come with the first log."""
+    keys = ("cp_attn_kernel", "cp_kv_exchange", "cp_layout")
+    assert "cp_attn_kernel" in got["logs"][0], got["logs"][0]
+    return [{k: h[k] for k in keys} for h in got["logs"] if any(k in h for k in keys)]
+
+
 @pytest.mark.parametrize(
     "world_size,cp_size,arg_overrides",
     [
@@ -212,6 +220,8 @@ def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg
         last = got["logs"][-1]
         per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
+        # What the steps ran, once, in the first log (on CPU `auto` runs the dense kernel).
+        assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "contiguous"}]
 
 
 def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference):
@@ -221,6 +231,7 @@ def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference
     for rank, got in enumerate(results):
         _assert_same_training(got, reference, f"balanced rank {rank}")
         assert got["permuted_packs"] > 0, "no pack was laid out by the balanced strategy"
+        assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "balanced"}]
 
 
 def test_final_train_loss_is_the_loss_of_the_whole_pack(gloo, reference):

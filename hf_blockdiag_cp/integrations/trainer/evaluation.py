@@ -149,7 +149,8 @@ class ShardedEvaluationMixin:
                 for j, (batch, repeat) in enumerate(zip(loader, repeats)):
                     inputs = self._prepare_inputs(self._local_batch(batch))
                     train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
-                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config,
+                        model=model,
                     )
                     local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
                     with train_ctx():
