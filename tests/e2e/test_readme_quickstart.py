@@ -38,9 +38,12 @@ def reference_loss(model, documents):
 # Appended to a section's example, on every rank.
 CHECKS = {
     "Quick start": REFERENCE + '''
+import torch.distributed as dist
+
+assert cp_mesh.size() == 2, cp_mesh
 cp_loss = loss.detach().clone()
 dist.all_reduce(cp_loss, group=cp_mesh.get_group())
-cp_loss = cp_loss.item() / cp
+cp_loss = cp_loss.item() / cp_mesh.size()
 reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
 want = reference_loss(reference, input_ids[0].cpu().split(lengths))
 assert abs(cp_loss - want) <= 1e-5 * want, (cp_loss, want)
