@@ -29,7 +29,7 @@ from ..planning import (
     positions_from_document_ids,
     validate_document_ids,
 )
-from ..planning.segments import validate_padding_at_end
+from ..planning.segments import padding_before_a_token, validate_padding_at_end
 
 IGNORE_INDEX = -100
 logger = logging.getLogger(__name__)
@@ -119,15 +119,13 @@ def _right_padding(mask: torch.Tensor) -> torch.Tensor:
             f"{flat.unique()[:6].tolist()}"
         )
     keep = flat.bool()
-    if bool(keep.any()):
-        last = int(torch.nonzero(keep)[-1])
-        if not bool(keep[: last + 1].all()):
-            first = int(torch.nonzero(~keep[: last + 1])[0])
-            raise ValueError(
-                f"batch['attention_mask'] has a 0 (padding) at position {first}, before a 1 (a token) at position "
-                f"{last}; a packed row may be padded only at its end (right padding). Left-padded or holed rows are "
-                "not packs: drop those zeros, and mark document boundaries with position_ids or document_ids"
-            )
+    hole = padding_before_a_token(keep)
+    if hole is not None:
+        raise ValueError(
+            f"batch['attention_mask'] has a 0 (padding) at position {hole[0]}, before a 1 (a token) at position "
+            f"{hole[1]}; a packed row may be padded only at its end (right padding). Left-padded or holed rows are "
+            "not packs: drop those zeros, and mark document boundaries with position_ids or document_ids"
+        )
     return keep
 
 
