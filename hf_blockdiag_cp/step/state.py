@@ -238,9 +238,10 @@ def _no_attention_cause(model) -> str:
     impl = attn_implementation(model)
     if impl != ATTN_IMPLEMENTATION:
         return (
-            f"The model's config._attn_implementation is now {impl!r}; expected {ATTN_IMPLEMENTATION!r}. Was it "
-            "switched after loading, e.g. by set_attn_implementation() on another model that shares this config "
-            f"object? Call model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) and give other models their own config"
+            f"The model's config._attn_implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. Load it with "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}; if it was switched after loading (e.g. by "
+            "set_attn_implementation() on another model that shares this config object), call "
+            f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) and give the other model its own config"
         )
     return (
         f"The model's config._attn_implementation is {impl!r}, so its forward did not run in this step: run "

@@ -36,7 +36,7 @@ def _in_pack_order(rows: torch.Tensor, layout, cp) -> torch.Tensor:
     return full[: layout.original_seq_len].cpu()
 
 
-def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix: str, loader) -> dict[str, float]:
+def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix: str, loader) -> dict[str, float | int]:
     """Token-weighted loss over every rank's targets (one SUM all-reduce of the per-rank totals),
     and how many documents of the dataset were split (the same on every rank: all plan alike)."""
     loss_sum, targets, tokens = sum_over_world(totals, world_size).tolist()
@@ -54,6 +54,7 @@ def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix:
 
 @functools.cache
 def _warn_split_loss(prefix: str, documents: int, total: int, max_tokens: int) -> None:
+    """Warn (once per process for the same numbers) that the loss is not the per-document loss."""
     warnings.warn(
         f"{documents} of {total} {prefix} documents are longer than max_tokens={max_tokens} and were split into "
         f"pieces: {prefix}_loss is the loss of the pieces (no piece attends to the one before it), not the "
@@ -134,10 +135,11 @@ class ShardedEvaluationMixin:
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def _sharded_forward(self, loader, with_logits: bool):
-        """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under CP.
-        Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs that only fill the DP
-        replicas' last round), and with `with_logits` the pack's logits and shifted labels in pack
-        order (gathered over the CP group) and its index in the epoch (None for a fill pack)."""
+        """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under
+        CP. Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs
+        that only fill the DP replicas' last round), and with `with_logits` the pack's logits and
+        shifted labels in pack order (gathered over the CP group) and its index in the epoch (None for
+        a fill pack)."""
         sampler = loader.batch_sampler
         repeats = sampler.replica_repeats()
         cp = resolve_cp_group(self.cp_mesh)

@@ -152,14 +152,14 @@ def check_launched_world(args) -> None:
         return
     if not torch.cuda.is_available() and not args.use_cpu:
         fix = (
-            "this host has no CUDA, and then transformers joins the processes only with TrainingArguments(use_cpu=True): "
+            "This host has no CUDA, and then transformers joins the processes only with TrainingArguments(use_cpu=True): "
             "pass use_cpu=True (or use_cpu=not torch.cuda.is_available(), right on CPU and on GPUs)"
         )
     else:
-        fix = "check the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and TrainingArguments' device settings"
+        fix = "Check the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and TrainingArguments' device settings"
     raise ValueError(
         f"the launcher started {launched} processes (WORLD_SIZE={launched}), but TrainingArguments sees world size "
-        f"{args.world_size}: each process would train alone. {fix[0].upper()}{fix[1:]}"
+        f"{args.world_size}: each process would train alone. {fix}"
     )
 
 
