@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -51,7 +53,8 @@ from hf_blockdiag_cp.integrations.accelerate import (
     wrap_model,
 )
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from hf_blockdiag_cp.kernels import canonical_kernel_name, kernel_names
+from hf_blockdiag_cp.kernels import kernel_names
+from hf_blockdiag_cp.planning import exchange_names, layout_strategies
 
 IGNORE_INDEX = -100
 
@@ -95,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard over dp x cp instead of DDP")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, flash, te")
+    add_cp_config_arguments(p)
     p.add_argument("--fused-ce", action="store_true", help="Liger fused linear cross-entropy as the loss (no logits of "
                    "the pack length; CUDA with the [liger] extra, else the stock loss stays and says so)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
@@ -109,6 +112,37 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--tiny-arch chooses the default tiny model; it cannot be combined with --model")
     args.tiny_arch = args.tiny_arch or "llama"
     return args
+
+
+def add_cp_config_arguments(parser) -> None:
+    """--attn-backend, --kv-exchange, --layout: the fields of the run's `CPConfig` (`cp_config`)."""
+    parser.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, "
+                        "flash, te")
+    parser.add_argument("--kv-exchange", default="allgather", help="K/V exchange: allgather, halo, a2a, auto")
+    parser.add_argument("--layout", default="contiguous", help="how packs are sharded: contiguous, balanced")
+
+
+# The CPConfig fields set from the command line: (field, what a valid value is, its accepted names).
+CONFIG_FIELDS = (
+    ("attn_backend", "a kernel", lambda: ("auto", *kernel_names())),
+    ("kv_exchange", "a K/V exchange", lambda: ("auto", *exchange_names())),
+    ("layout", "a layout", layout_strategies),
+)
+
+
+def cp_config(args) -> bdcp.CPConfig:
+    return bdcp.CPConfig(attn_backend=args.attn_backend, kv_exchange=args.kv_exchange, layout=args.layout)
+
+
+def config_error(args) -> str | None:
+    """Why --attn-backend, --kv-exchange or --layout names nothing this installation has, or None."""
+    for field, what, accepted in CONFIG_FIELDS:
+        value = getattr(args, field)
+        try:
+            bdcp.CPConfig(**{field: value})
+        except (TypeError, ValueError):
+            return f"--{field.replace('_', '-')}={value!r} is not {what}; accepted: {', '.join(accepted())}"
+    return None
 
 
 def check_ranges(parser, args, positive=(), non_negative=()) -> None:
@@ -142,28 +176,26 @@ def loaded(what: str, load, *args):
 
 
 def argument_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes, or None."""
-    reason = layout_error(args, world_size)
-    if reason is None:
-        try:
-            canonical_kernel_name(args.attn_backend)
-        except ValueError:
-            reason = f"--attn-backend={args.attn_backend!r} is not a kernel; accepted: auto, {', '.join(kernel_names())}"
-    return reason
+    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
+    return layout_error(args, world_size) or config_error(args)
 
 
 def check_launch(args, errors=argument_error) -> int:
     """The world size, after checking the launch and `args` against it (`errors(args, world_size)`
     gives the reason a value cannot run, or None); on a problem, `fail`.
 
-    Runs in every worker before any process group exists and needs no collective: every rank
-    sees the same command line and world size, so every rank reaches the same verdict and a
-    bad argument ends the run at once instead of one rank hanging in a collective.
+    Runs in every worker before any process group exists, any model or data is loaded, and needs
+    no collective: every rank sees the same command line and world size, so every rank reaches the
+    same verdict and a bad argument ends the run at once instead of one rank hanging in a collective.
+    Then the main rank shows the library's INFO lines (which kernel, exchange and layout run).
     """
     world_size = launched_world_size()
     reason = launch_error(sys.argv) or errors(args, world_size)
     if reason is not None:
         fail(reason)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("hf_blockdiag_cp").setLevel(logging.INFO)
     return world_size
 
 
@@ -374,12 +406,13 @@ def train(args) -> dict:
     micro_steps = args.packs_per_step // place.dp_size
     mesh = build_dp_cp_mesh(place, device.type)
     cp_mesh = None if mesh is None else mesh.cp
-    cp_config = bdcp.CPConfig(attn_backend=args.attn_backend)
+    config = cp_config(args)
 
     dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args)
     loader = packed_dataloader(
         dataset, args.max_tokens, dp_size=place.dp_size, dp_rank=place.dp_rank, cp_size=place.cp_size,
         cp_rank=place.cp_rank, pad_token_id=pad_token_id, seed=args.seed, num_workers=args.num_workers, drop_last=True,
+        cp_config=config,  # the collator shards each pack with the configured layout
     )
     model = loaded("--model", build_model, args, vocab).to(device)
     if args.fused_ce:
@@ -400,7 +433,7 @@ def train(args) -> dict:
             started = time.perf_counter()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro):
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=cp_config)
+            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(cp_mesh, None, batch, config=config, model=model)
             local["num_items_in_batch"] = max(n_targets, 1.0) / place.world_size  # loss = sum * W / N
             with gradient_sync(model, enabled=i == len(micro) - 1), train_ctx():
                 with autocast:

@@ -44,9 +44,10 @@ from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from train_packed import (  # the main job, same folder: its model, argument checks and outputs
     OneLineParser,
+    add_cp_config_arguments,
     check_launch,
     check_ranges,
-    layout_error,
+    cp_config,
     loaded,
     tiny_config,
     write_outputs,
@@ -67,6 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    add_cp_config_arguments(p)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
     p.add_argument("--eval", action="store_true", help="hold out the last --eval-docs documents; after training print "
                    "eval_loss (sharded evaluation under CP: token-weighted over every eval target)")
@@ -166,7 +168,7 @@ def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    world_size = check_launch(args, layout_error)  # before any collective: a bad argument ends every rank with one line
+    world_size = check_launch(args)  # before any collective or load: a bad argument ends every rank with one line
     cp_size = world_size if args.cp_size is None else args.cp_size
     train_data, eval_data = loaded("--dataset", load_training_data, args), None
     if args.eval:
@@ -181,6 +183,7 @@ def main(argv=None) -> int:
         cp_size=cp_size,
         max_tokens=args.max_tokens,
         pad_token_id=corpus.PAD_TOKEN_ID,
+        cp_config=cp_config(args),
     )
     trainer.train()
     metrics = run_metrics(trainer, trainer.args.world_size, cp_size)

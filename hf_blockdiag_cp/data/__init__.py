@@ -2,7 +2,7 @@
 (`loader`), and the collator that pads and shards one pack (`collator`). The demo corpus of
 the examples (`corpus`) is imported only by whoever uses it."""
 
-from .collator import OVERSIZE_POLICIES, BlockdiagCPCollator
+from .collator import BlockdiagCPCollator
 from .loader import (
     DocumentPiece,
     PackedBatchSampler,
@@ -11,12 +11,13 @@ from .loader import (
     dataset_lengths,
     packed_dataloader,
 )
-from .packing import PackingStats, first_fit_decreasing
+from .packing import OVERSIZE_POLICIES, OversizeCount, PackingStats, first_fit_decreasing
 
 __all__ = [
     "OVERSIZE_POLICIES",
     "BlockdiagCPCollator",
     "DocumentPiece",
+    "OversizeCount",
     "PackedBatchSampler",
     "PackedDataLoader",
     "PackedExamples",

@@ -11,14 +11,16 @@ Choosing *which* documents form a pack is the sampler's job (`hf_blockdiag_cp.da
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
 
 from ..config import CPConfig
 from ..step.shard import IGNORE_INDEX, shard_batch
+from .packing import OVERSIZE_POLICIES, oversize_policy
 
-OVERSIZE_POLICIES = ("split", "reject")
+__all__ = ["OVERSIZE_POLICIES", "BlockdiagCPCollator"]
 
 
 def _positive_int(name: str, value) -> int:
@@ -48,8 +50,9 @@ class BlockdiagCPCollator:
     - `position_ids` restart at 0 for every document (and for the padding run).
     - `document_ids` are 1-based in pack order; 0 marks padding.
     - A document longer than `max_tokens`: `oversize="split"` cuts it into `max_tokens`-sized
-      documents, `"reject"` raises. The pieces must still fit the one pack, so a sampler that
-      may meet long documents must give each piece its own pack (`PackedBatchSampler` does).
+      documents (and warns at the first one), `"raise"` raises. The pieces must still fit the one
+      pack, so a sampler that may meet long documents must give each piece its own pack
+      (`PackedBatchSampler` does, and counts them).
     - `cp_rank` set: return `shard_batch(pack, cp_size, cp_rank)`, this rank's local batch,
       which `make_cp_blockdiag_batch_and_ctx` accepts as is, laid out by `cp_config`'s layout
       (default: contiguous chunks).
@@ -78,14 +81,13 @@ class BlockdiagCPCollator:
             raise ValueError(f"pad_token_id must be a non-negative integer; got {pad_token_id!r}")
         if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
             raise ValueError(f"cp_rank must be None or an integer in [0, cp_size={cp_size}); got {cp_rank!r}")
-        if oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"oversize must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}; got {oversize!r}")
+        self.oversize = oversize_policy(oversize)
+        self._warned_split = False
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.cp_config = cp_config
         self.cp_size = cp_size
         self.cp_rank = cp_rank
-        self.oversize = oversize
 
     def __repr__(self) -> str:
         return (
@@ -112,14 +114,28 @@ class BlockdiagCPCollator:
                 raise ValueError(
                     f"examples[{i}]['labels'] has {labels.numel()} entries; expected {ids.numel()} (one per input_ids token)"
                 )
-            if ids.numel() > self.max_tokens and self.oversize == "reject":
-                raise ValueError(
-                    f"examples[{i}] has {ids.numel()} tokens, more than max_tokens={self.max_tokens} "
-                    "(oversize='reject'); use oversize='split' or filter long documents out"
-                )
+            if ids.numel() > self.max_tokens:
+                self._oversized(i, ids.numel())
             for start in range(0, ids.numel(), self.max_tokens):
                 docs.append((ids[start : start + self.max_tokens], labels[start : start + self.max_tokens]))
         return docs
+
+    def _oversized(self, index: int, length: int) -> None:
+        """Raise (oversize="raise") or warn at this collator's first split (a sampler counts them all)."""
+        if self.oversize == "raise":
+            raise ValueError(
+                f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens} (oversize='raise'); "
+                "raise max_tokens, filter long documents out, or pass oversize='split'"
+            )
+        if not self._warned_split:
+            self._warned_split = True
+            warnings.warn(
+                f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens}: it is split into "
+                "pieces, each trained as its own document (this collator warns once; PackedBatchSampler counts "
+                "every split document); pass oversize='raise' to refuse such documents",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def pack(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
         """The full pack (not sharded): tensors [1, max_tokens]."""

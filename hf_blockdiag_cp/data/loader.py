@@ -21,8 +21,8 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .collator import OVERSIZE_POLICIES, BlockdiagCPCollator
-from .packing import PackingStats, checked_length, first_fit_decreasing
+from .collator import BlockdiagCPCollator
+from .packing import PackingStats, checked_length, count_oversized, first_fit_decreasing, oversize_policy
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,9 @@ class PackedBatchSampler(Sampler[list[PackItem]]):
       `max_tokens` tokens (the last one shorter), yielded as `DocumentPiece` items: full
       pieces fill a pack alone, the remainder piece is packed like any short document. Read
       items through `PackedExamples(dataset)` (`packed_dataloader` does). Pieces only occur
-      when some example is oversized; otherwise every item is a plain int index.
-      `oversize="reject"` raises at construction, naming the example.
+      when some example is oversized; otherwise every item is a plain int index. Construction
+      warns (once per process for the same numbers) and `oversized` counts the split examples
+      and their tokens. `oversize="raise"` raises at construction, naming the example.
     """
 
     def __init__(
@@ -107,16 +108,9 @@ class PackedBatchSampler(Sampler[list[PackItem]]):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
         if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be an integer in [0, dp_size={dp_size}); got {dp_rank!r}")
-        if oversize not in OVERSIZE_POLICIES:
-            raise ValueError(f"oversize must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}; got {oversize!r}")
+        oversize = oversize_policy(oversize)
         self.lengths = [checked_length(i, n) for i, n in enumerate(lengths)]
-        if oversize == "reject":
-            for i, n in enumerate(self.lengths):
-                if n > max_tokens:
-                    raise ValueError(
-                        f"example {i} has {n} tokens, more than max_tokens={max_tokens} (oversize='reject'); "
-                        "use oversize='split' or filter long documents out"
-                    )
+        self.oversized = count_oversized(self.lengths, max_tokens, oversize)  # raises for oversize="raise"
         self.max_tokens = max_tokens
         self.buffer_size = buffer_size
         self.shuffle = shuffle

@@ -6,9 +6,16 @@ every rank (and in tests, exhaustively).
 
 from __future__ import annotations
 
+import functools
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
+
+# What happens to a document longer than a pack (`max_tokens`): cut into pack-sized pieces, each
+# trained as its own document, or refused. "reject" is the earlier spelling of "raise".
+OVERSIZE_POLICIES = ("split", "raise")
+_OVERSIZE_SPELLINGS = {"split": "split", "raise": "raise", "reject": "raise"}
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -75,3 +82,48 @@ class PackingStats:
         )
 
     __add__ = merge
+
+
+def oversize_policy(value) -> str:
+    """The canonical `oversize` policy ("split" or "raise"; "reject" is accepted for "raise")."""
+    policy = _OVERSIZE_SPELLINGS.get(value) if isinstance(value, str) else None
+    if policy is None:
+        raise ValueError(f"oversize must be one of {', '.join(map(repr, OVERSIZE_POLICIES))}; got {value!r}")
+    return policy
+
+
+@dataclass(frozen=True)
+class OversizeCount:
+    """The documents of a dataset longer than a pack, and their tokens (all of them, not only the excess)."""
+
+    documents: int = 0
+    tokens: int = 0
+
+
+def count_oversized(lengths: Sequence[int], max_tokens: int, policy: str) -> OversizeCount:
+    """How many of `lengths` exceed `max_tokens`. Policy "raise": ValueError naming the first one;
+    "split": a warning, once per process for the same numbers (see `warn_split_documents`)."""
+    long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+    if long and policy == "raise":
+        index, length = long[0]
+        raise ValueError(
+            f"document {index} has {length} tokens, more than max_tokens={max_tokens} (oversize='raise'; "
+            f"{len(long)} of {len(lengths)} documents are longer): raise max_tokens, filter long documents out, "
+            "or pass oversize='split' to cut them into pack-sized pieces"
+        )
+    count = OversizeCount(len(long), sum(n for _, n in long))
+    if count.documents:
+        warn_split_documents(count.documents, count.tokens, len(lengths), max_tokens)
+    return count
+
+
+@functools.cache
+def warn_split_documents(documents: int, tokens: int, total: int, max_tokens: int) -> None:
+    """Warn (once per process for the same numbers) that documents are cut into pack-sized pieces."""
+    warnings.warn(
+        f"{documents} of {total} documents ({tokens} tokens) are longer than max_tokens={max_tokens} and are split "
+        f"into pieces of at most {max_tokens} tokens; each piece is trained as its own document (no attention "
+        "across a cut). Pass oversize='raise' to refuse them instead, or raise max_tokens",
+        UserWarning,
+        stacklevel=4,  # the code that built the sampler
+    )

@@ -12,9 +12,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from ..attention.entry import blockdiag_cp_attention_forward
-from ..step.state import active_step
+from ..step.state import ATTN_IMPLEMENTATION, active_step
 
-ATTN_IMPLEMENTATION = "blockdiag_cp"
+__all__ = ["ATTN_IMPLEMENTATION", "blockdiag_cp_mask", "register"]
 
 
 def blockdiag_cp_mask(*args, **kwargs):

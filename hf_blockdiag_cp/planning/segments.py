@@ -151,18 +151,26 @@ def validate_document_ids(document_ids: torch.Tensor, field_name: str = "documen
         )
 
 
+def padding_before_a_token(real: torch.Tensor) -> tuple[int, int] | None:
+    """(first padding position, last real position) when padding comes before a real token in the
+    bool row `real`, else None."""
+    real = real.reshape(-1)
+    if not bool(real.any()):
+        return None
+    last_real = int(torch.nonzero(real)[-1])
+    if bool(real[: last_real + 1].all()):
+        return None
+    return int(torch.nonzero(~real[: last_real + 1])[0]), last_real
+
+
 def validate_padding_at_end(document_ids: torch.Tensor, field_name: str = "document_ids") -> None:
     """Raise ValueError if padding (id 0) comes before a real token: ids are 1-based and padding
     goes last, so a 0-based pack can never be mistaken for a padded one."""
-    real = document_ids.reshape(-1) != 0
-    if not bool(real.any()):
-        return
-    last_real = int(torch.nonzero(real)[-1])
-    if not bool(real[: last_real + 1].all()):
-        first_pad = int(torch.nonzero(~real[: last_real + 1])[0])
+    hole = padding_before_a_token(document_ids.reshape(-1) != 0)
+    if hole is not None:
         raise ValueError(
-            f"{field_name} has padding (id 0) at position {first_pad}, before the last real token at position "
-            f"{last_real}; document ids are 1-based and padding may only come at the end of the pack"
+            f"{field_name} has padding (id 0) at position {hole[0]}, before the last real token at position "
+            f"{hole[1]}; document ids are 1-based and padding may only come at the end of the pack"
         )
 
 

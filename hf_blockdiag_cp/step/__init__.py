@@ -9,6 +9,7 @@ from .state import (
     BlockdiagCpModelState,
     CPStep,
     DevicePlan,
+    StepChoices,
     active_step,
     current_blockdiag_cp_state,
 )
@@ -24,6 +25,7 @@ __all__ = [
     "PackFingerprint",
     "ShardInfo",
     "StepAgreement",
+    "StepChoices",
     "active_step",
     "build_step",
     "current_blockdiag_cp_state",

@@ -124,6 +124,7 @@ def make_cp_blockdiag_batch_and_ctx(
     shard_primary: bool = True,
     *,
     config: CPConfig | None = None,
+    model=None,
 ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict, Layout]:
     """Shard one packed batch for this CP rank and build the step's attention state.
 
@@ -133,7 +134,8 @@ def make_cp_blockdiag_batch_and_ctx(
     step object's `activate`). `config` (default: the process default, `configure_cp`) picks
     kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with.
     `tp_mesh` is accepted and unused: tensor parallelism splits heads, which block-diagonal CP
-    leaves alone, so a TP group needs nothing from this step.
+    leaves alone, so a TP group needs nothing from this step. `model` (optional, the model the
+    step runs) only lets errors name its attention implementation.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
     exchange choices) make every rank raise after one consensus all-reduce, never a hang.
@@ -184,5 +186,6 @@ def make_cp_blockdiag_batch_and_ctx(
         prepare = get_kernel(step.attn_backend).prepare
         if prepare is not None:
             prepare(step)  # per-step kernel state (e.g. the flex block mask) before the first layer (I4)
+    step.requested_kv_exchange, step.model = config.kv_exchange, model
     local[STEP_KWARG] = step
     return step.activate, local, layout

@@ -29,7 +29,7 @@ from ..planning import (
     positions_from_document_ids,
     validate_document_ids,
 )
-from ..planning.segments import validate_padding_at_end
+from ..planning.segments import padding_before_a_token, validate_padding_at_end
 
 IGNORE_INDEX = -100
 logger = logging.getLogger(__name__)
@@ -104,11 +104,29 @@ def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
         ids, source = torch.ones(seq_len, dtype=torch.long), "input_ids"  # one document
     mask = _row(batch, "attention_mask", seq_len)
     if mask is not None:
-        ids = torch.where(mask.reshape(-1).cpu().bool(), ids, torch.zeros_like(ids))
-        source += " and attention_mask"
+        ids = torch.where(_right_padding(mask), ids, torch.zeros_like(ids))
     validate_padding_at_end(ids, source)  # first: a hole of padding also splits a document in two
     validate_document_ids(ids, source)
     return ids
+
+
+def _right_padding(mask: torch.Tensor) -> torch.Tensor:
+    """`attention_mask` [1, S] as a bool row [S]; raise unless it is 1s then 0s (padding only at the end)."""
+    flat = mask.reshape(-1).cpu()
+    if not bool(((flat == 0) | (flat == 1)).all()):
+        raise ValueError(
+            "batch['attention_mask'] must hold only 1 (token) and 0 (padding); got values "
+            f"{flat.unique()[:6].tolist()}"
+        )
+    keep = flat.bool()
+    hole = padding_before_a_token(keep)
+    if hole is not None:
+        raise ValueError(
+            f"batch['attention_mask'] has a 0 (padding) at position {hole[0]}, before a 1 (a token) at position "
+            f"{hole[1]}; a packed row may be padded only at its end (right padding). Left-padded or holed rows are "
+            "not packs: drop those zeros, and mark document boundaries with position_ids or document_ids"
+        )
+    return keep
 
 
 def shifted_labels(labels: torch.Tensor, padded_ids: torch.Tensor) -> torch.Tensor:

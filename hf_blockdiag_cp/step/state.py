@@ -8,11 +8,16 @@ receives (and that activation-checkpoint recompute replays), and through a proce
 that `step.activate()` sets around forward and backward, for code that calls
 `F.scaled_dot_product_attention` directly. The slot is process-wide on purpose: backward and
 recompute may run in another thread, where context variables set around `forward()` are gone.
+
+What a step ran (`StepChoices`: kernels, exchange, layout) is logged once per distinct choice at
+INFO on the `hf_blockdiag_cp` loggers when its context exits.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +27,40 @@ from ..comm.exchange import ExchangeMeter
 from ..planning import ExchangePlan, Layout, RankPlan, key_row_levels
 
 STEP_KWARG = "blockdiag_cp_step"
+ATTN_IMPLEMENTATION = "blockdiag_cp"  # the attention implementation that runs a step (registered by integrations)
+# Attention caches its kernel choice per layer kind in the step under keys ("kernel", ...).
+KERNEL_CACHE_KEY = "kernel"
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepChoices:
+    """What a CP step ran: the kernels of its attention layers (one per layer kind, e.g. softcapped
+    layers may need another), the K/V exchange and the layout, next to what the config asked for."""
+
+    kernels: tuple[str, ...]
+    attn_backend: str  # as configured ("auto" or a kernel name)
+    kv_exchange: str
+    requested_kv_exchange: str | None  # as configured ("auto" or an exchange name; None: unknown)
+    layout: str
+
+    def describe(self) -> str:
+        kernels = ", ".join(self.kernels) or "none"
+        exchange = self.requested_kv_exchange or self.kv_exchange
+        return (
+            f"blockdiag_cp runs kernel {kernels} (attn_backend={self.attn_backend!r}), K/V exchange "
+            f"{self.kv_exchange} (kv_exchange={exchange!r}), layout {self.layout}"
+        )
+
+    def as_logs(self) -> dict[str, str]:
+        """The choices as Trainer log entries."""
+        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": self.kv_exchange, "cp_layout": self.layout}
+
+
+@functools.cache
+def log_choices(choices: StepChoices) -> None:
+    """Log `choices` at INFO, once per process for each distinct choice."""
+    logger.info(choices.describe())
 
 
 @dataclass(frozen=True)
@@ -136,12 +175,14 @@ class CPStep:
     exchange_plan: ExchangePlan | None = None  # needed keys and traffic of every rank (None: not planned)
     kv_routes: Any = None  # the exchange's tables for this rank on the device (`RankExchange.routes`)
     exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
+    requested_kv_exchange: str | None = None  # the configured kv_exchange ("auto" or a name)
+    model: Any = field(default=None, repr=False)  # the model the user named (error messages only)
 
     @contextlib.contextmanager
     def activate(self):
         """Make this the active step for forward AND backward; on a clean exit, raise if no
         attention call went through `blockdiag_cp` (every layer would have attended only inside
-        its local shard)."""
+        its local shard), else log what ran (`log_choices`)."""
         global _ACTIVE_STEP
         previous = _ACTIVE_STEP
         _ACTIVE_STEP = self
@@ -152,9 +193,19 @@ class CPStep:
         if self.attention_calls == 0:
             raise RuntimeError(
                 "blockdiag_cp: no attention call went through 'blockdiag_cp' during this CP step, so every layer "
-                "attended only inside its local shard. Load the model with attn_implementation='blockdiag_cp' "
-                "(import hf_blockdiag_cp first) and run its forward inside train_ctx()"
+                f"attended only inside its local shard. {_no_attention_cause(self.model)}"
             )
+        log_choices(self.choices)
+
+    @property
+    def choices(self) -> StepChoices:
+        """What this step ran so far: the kernels attention chose (per layer kind), the exchange, the layout."""
+        kernels = {
+            value.name for key, value in self.mask_cache.items()
+            if isinstance(key, tuple) and key[:1] == (KERNEL_CACHE_KEY,)
+        }
+        return StepChoices(tuple(sorted(kernels)), self.attn_backend, self.kv_exchange, self.requested_kv_exchange,
+                           self.layout.strategy)
 
     @property
     def local_len(self) -> int:
@@ -167,6 +218,36 @@ class CPStep:
             value = build()
             self.mask_cache[key] = value
         return value
+
+
+def attn_implementation(model) -> Any:
+    """`config._attn_implementation` of `model` (inside a DDP / compile wrapper), or None without a config."""
+    for attribute in ("module", "_orig_mod"):
+        if getattr(model, "config", None) is None and getattr(model, attribute, None) is not None:
+            model = getattr(model, attribute)
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def _no_attention_cause(model) -> str:
+    """The likely cause of a step in which no attention call went through `blockdiag_cp`."""
+    if model is None:
+        return (
+            "Load the model with attn_implementation='blockdiag_cp' (import hf_blockdiag_cp first) and run its forward "
+            "inside train_ctx(); pass model= to make_cp_blockdiag_batch_and_ctx and this error names the model's "
+            "attention implementation"
+        )
+    impl = attn_implementation(model)
+    if impl != ATTN_IMPLEMENTATION:
+        return (
+            f"The model's config._attn_implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. Load it with "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r}; if it was switched after loading (e.g. by "
+            "set_attn_implementation() on another model that shares this config object), call "
+            f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) and give the other model its own config"
+        )
+    return (
+        f"The model's config._attn_implementation is {impl!r}, so its forward did not run in this step: run "
+        "model(**local) and its backward inside `with train_ctx():`, with the local batch of this step"
+    )
 
 
 _ACTIVE_STEP: CPStep | None = None

@@ -1,56 +1,126 @@
-"""README.md's quick start runs as written on CPU under `torchrun --standalone --nproc-per-node 2`
-(only the model id is replaced by a tiny local Llama), and its CP loss, averaged over the CP
-group, equals the stock eager model's token-weighted loss over each document of the pack alone."""
+"""Every complete Python example of README.md (each ```python block is one) runs as written on CPU
+under `torchrun --standalone --nproc-per-node 2`, with only `"your/model"` replaced by a tiny local
+Llama saved with `save_pretrained`. Checks appended per section compare with an independent
+reference: the quick start's CP loss, averaged over the CP group, equals the stock eager model's
+token-weighted loss over each document of the pack alone; the Trainer example trains as one
+2-process run, and its sharded `evaluate()` equals the stock eager model with the trained weights
+on each document alone. A Trainer launched by torchrun on CPU without `use_cpu=True` stops with an
+error that names the fix."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+import pytest
+import torch
 
-# Appended to the quick start: the independent reference, on every rank.
-CHECK = '''
+ROOT = Path(__file__).resolve().parents[2]
+DONE = "README example done on rank"
+
+# The stock eager model's token-weighted loss over `documents` (1-D id tensors), each alone.
+REFERENCE = '''
 import torch.nn.functional as F
 
-cp_loss = loss.detach().clone()
-dist.all_reduce(cp_loss, group=cp_mesh.get_group())
-cp_loss = cp_loss.item() / cp
-reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
-ids, total, targets, start = input_ids[0].cpu(), 0.0, 0, 0
-for n in lengths:
-    doc = ids[start : start + n]
-    start += n
-    total += F.cross_entropy(reference(input_ids=doc[None]).logits[0, :-1], doc[1:], reduction="sum").item()
-    targets += n - 1
-assert abs(cp_loss - total / targets) <= 1e-5 * abs(total / targets), (cp_loss, total / targets)
-print("quick start loss", cp_loss, "reference", total / targets)
-dist.destroy_process_group()
+
+def reference_loss(model, documents):
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for doc in documents:
+            total += F.cross_entropy(model(input_ids=doc[None]).logits[0, :-1], doc[1:], reduction="sum").item()
+            targets += doc.numel() - 1
+    return total / targets
 '''
 
+# Appended to a section's example, on every rank.
+CHECKS = {
+    "Quick start": REFERENCE + '''
+import torch.distributed as dist
 
-def quick_start_code() -> str:
-    readme = (ROOT / "README.md").read_text()
-    return readme.split("\n## Quick start\n", 1)[1].split("```python\n", 1)[1].split("\n```", 1)[0]
+assert cp_mesh.size() == 2, cp_mesh
+cp_loss = loss.detach().clone()
+dist.all_reduce(cp_loss, group=cp_mesh.get_group())
+cp_loss = cp_loss.item() / cp_mesh.size()
+reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
+want = reference_loss(reference, input_ids[0].cpu().split(lengths))
+assert abs(cp_loss - want) <= 1e-5 * want, (cp_loss, want)
+dist.destroy_process_group()
+''',
+    "Trainer": REFERENCE + '''
+assert trainer.args.world_size == 2, f"the 2 processes trained alone: world size {trainer.args.world_size}"
+metrics = trainer.evaluate(eval_dataset=docs)
+reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
+reference.load_state_dict(trainer.model.state_dict())  # the trained weights
+want = reference_loss(reference, [torch.tensor(d["input_ids"]) for d in docs])
+assert abs(metrics["eval_loss"] - want) <= 1e-5 * want, (metrics["eval_loss"], want)
+''',
+}
 
 
-def test_quick_start_runs_on_cpu_and_matches_the_per_document_loss(tmp_path):
+def python_examples() -> list[tuple[str, str]]:
+    """(section heading, code) of every ```python block of README.md, in order."""
+    parts = re.split(r"^```python\n(.*?)^```$", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+    examples, heading = [], None
+    for i, part in enumerate(parts):  # text, code, text, code, ..., text
+        if i % 2:
+            examples.append((heading, part))
+        else:
+            heading = ([heading] + re.findall(r"^## (.+)$", part, flags=re.M))[-1]
+    return examples
+
+
+def _tiny_model(path: Path) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")
-    code = quick_start_code()
-    assert code.count('"your/model"') == 1
-    script = tmp_path / "train.py"
-    script.write_text(f"MODEL = {str(tmp_path / 'tiny')!r}\n" + code.replace('"your/model"', "MODEL") + CHECK)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True,
-        text=True, timeout=300,
+        cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True, text=True,
+        timeout=600,
     )
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-3000:]
-    assert out.count("quick start loss") == 2, out[-3000:]
+    return run.returncode, run.stdout + run.stderr
+
+
+def test_readme_holds_the_checked_examples():
+    assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
+
+
+@pytest.mark.parametrize("heading, code", python_examples(), ids=[h for h, _ in python_examples()])
+def test_readme_example_runs_under_torchrun_on_cpu(tmp_path, heading, code):
+    if torch.cuda.is_available():
+        pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
+    assert '"your/model"' in code, f"the {heading} example loads no model to replace"
+    model = _tiny_model(tmp_path / "tiny")
+    done = f'print("{DONE}", __import__("os").environ["RANK"])\n'
+    script = tmp_path / "example.py"
+    script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + done)
+    rc, out = _torchrun(script, tmp_path)
+    assert rc == 0, out[-3000:]
+    assert sorted(line for line in out.splitlines() if line.startswith(DONE)) == [f"{DONE} 0", f"{DONE} 1"], out[-3000:]
+
+
+def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
+    """torchrun's 2 processes on a host without CUDA: without use_cpu=True transformers would run
+    each process alone; the Trainer must stop on every rank and say to pass use_cpu=True."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a host without CUDA")
+    code = dict(python_examples())["Trainer"]
+    assert code.count("    use_cpu=not torch.cuda.is_available(),") == 1
+    script = tmp_path / "example.py"
+    script.write_text(f"MODEL = {_tiny_model(tmp_path / 'tiny')!r}\n"
+                      + code.replace('"your/model"', "MODEL").replace("    use_cpu=not torch.cuda.is_available(),", ""))
+    rc, out = _torchrun(script, tmp_path)
+    assert rc != 0
+    expected = ("ValueError: the launcher started 2 processes (WORLD_SIZE=2), but TrainingArguments sees world size 1: "
+                "each process would train alone. This host has no CUDA")
+    assert sum(expected in line and "use_cpu=True" in line for line in out.splitlines()) == 2, out[-3000:]

@@ -2,8 +2,9 @@
 logs the same per-step losses as one process, and both equal an independent reference: the
 stock eager model run on every document of the step's packs separately, updated by plain
 SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). Both example scripts
-reject a bad argument, or a one-process `accelerate launch` of a multi-process CPU run, with one
-line in every worker before any collective. The pure parts (the launch environment and the
+reject a bad argument (sizes, kernel, exchange and layout names), or a one-process `accelerate
+launch` of a multi-process CPU run, with one line in every worker before any collective, alone and
+under torchrun. The main job's log names the kernel, exchange and layout it ran. The pure parts (the launch environment and the
 embedded corpus) are in unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
+from hf_blockdiag_cp.kernels import kernel_names
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_packed.py"
@@ -106,6 +109,10 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, arch):
     assert len(single["losses"]) == len(cp2["losses"]) == STEPS
     assert cp2["tokens_per_second"] > 0 and 0 < cp2["packing_efficiency"] <= 1
     assert (two_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    said = "blockdiag_cp runs kernel dense (attn_backend='auto'), K/V exchange allgather (kv_exchange='allgather'), " \
+           "layout contiguous"  # on CPU `auto` runs dense; said once, by the main rank
+    for log in ("one.log", "two.log"):
+        assert (tmp_path / log).read_text().count(said) == 1, log  # on stderr, next to the progress bar
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
@@ -133,6 +140,9 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
         ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
         ("train_packed.py", 1, ["--cp-size", "0"], "--cp-size=0 must be a positive divisor of the number of processes (2)"),
         ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset: "),
+        ("trainer_packed.py", 1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
+        ("train_packed.py", 1, ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
+        ("trainer_packed.py", 0, ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):
@@ -147,6 +157,23 @@ def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script,
     assert run.returncode == 2, lines[-5:]
     assert lines[-1].startswith(f"error: {expected}"), lines[-5:]
     assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in run.stderr, lines
+
+
+@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])
+def test_bad_backend_under_torchrun_ends_the_workers_with_one_line(script):
+    """Under torchrun itself: every worker that gets to print says the same single `error:` line
+    and exits 2 (torchrun may stop the second worker first), and no worker prints a traceback;
+    what remains is torchrun's own report of the failed workers."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--attn-backend", "bogus"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    lines = _output_lines(run)
+    errors = [line for line in lines if line.startswith("error:")]
+    assert run.returncode != 0 and errors, lines[-20:]
+    assert set(errors) == {"error: --attn-backend='bogus' is not a kernel; accepted: auto, " + ", ".join(kernel_names())}
+    assert "exitcode  : 2" in run.stderr, lines[-20:]  # torchrun's summary of the first failed worker
+    assert not any(line.startswith("[rank") for line in lines), lines[:20]  # a worker's traceback
 
 
 @pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])

@@ -3,13 +3,15 @@ dp=2 x cp=2 logs the same loss and grad norm at every step and ends with the sam
 as the *stock* Trainer with the *stock* `sdpa` model on the same packs in one process (labels
 masked at document starts, position ids restarting per document: Transformers' own packed
 path). SGD without clipping, so a gradient scale error shows in the weights (Adam would hide
-it). Plus the Trainer's setup checks, which must raise on every rank. The callback's own checks
+it). The first log names the kernel, exchange and layout the steps ran, once. Plus the Trainer's
+setup checks, which must raise on every rank. The callback's own checks
 and the token meter, in one process: unit/test_trainer_parts.py.
 
 The Trainers run inside the shared gloo pool: accelerate's PartialState joins an already
 initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
 Also sharded evaluation: `evaluate()` under CP equals the stock model's token-weighted loss on every
-eval document unpacked.
+eval document unpacked; with an eval document longer than a pack it equals the loss on the pieces,
+counts the split document in `eval_split_documents` and warns.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -192,6 +195,13 @@ def _assert_same_training(got: dict, ref: dict, what: str) -> None:
         assert err <= UPDATE_TOL * update, f"{what}: {name} differs by {err:.3e}, its update is {update:.3e}"
 
 
+def _logged_choices(got: dict) -> list[dict]:
+    """The step choices of every training log that has them; they must come with the first log."""
+    keys = ("cp_attn_kernel", "cp_kv_exchange", "cp_layout")
+    assert "cp_attn_kernel" in got["logs"][0], got["logs"][0]
+    return [{k: h[k] for k in keys} for h in got["logs"] if any(k in h for k in keys)]
+
+
 @pytest.mark.parametrize(
     "world_size,cp_size,arg_overrides",
     [
@@ -210,6 +220,8 @@ def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg
         last = got["logs"][-1]
         per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
+        # What the steps ran, once, in the first log (on CPU `auto` runs the dense kernel).
+        assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "contiguous"}]
 
 
 def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference):
@@ -219,6 +231,7 @@ def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference
     for rank, got in enumerate(results):
         _assert_same_training(got, reference, f"balanced rank {rank}")
         assert got["permuted_packs"] > 0, "no pack was laid out by the balanced strategy"
+        assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "balanced"}]
 
 
 def test_final_train_loss_is_the_loss_of_the_whole_pack(gloo, reference):
@@ -297,13 +310,14 @@ def eval_docs() -> list[dict]:
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
 
 
-def stock_eval_loss(docs: list[dict]) -> float:
-    """The stock eager model (same initial weights) on every document unpacked: token-weighted mean loss."""
+def stock_eval_loss(docs: list[dict], piece: int | None = None) -> float:
+    """The stock eager model (same initial weights) on every document unpacked: token-weighted mean
+    loss; with `piece`, on every `piece`-token slice of each document as its own document."""
     model = tiny_model("eager").eval()
     total, count = 0.0, 0
+    whole = [torch.tensor(doc["input_ids"]) for doc in docs]
     with torch.no_grad():
-        for doc in docs:
-            ids = torch.tensor(doc["input_ids"])
+        for ids in whole if piece is None else [part for ids in whole for part in ids.split(piece)]:
             logits = model(input_ids=ids[None]).logits[0]
             total += float(torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum"))
             count += ids.numel() - 1
@@ -352,6 +366,26 @@ def test_sharded_evaluate_matches_stock_per_document_loss(gloo, world_size, cp_s
         assert metrics["eval_tokens"] == real_tokens  # every eval token once: nothing dropped, fill packs weigh 0
         # Every eval forward went through blockdiag_cp, each rank holding 1/cp_size of a pack.
         assert query_rows and set(query_rows) == {MAX_TOKENS // cp_size}, f"rank {rank}: {sorted(set(query_rows))}"
+
+
+def split_eval_case(rank, world_size, group, docs):
+    with accelerate_env(rank, world_size) as out, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = BlockdiagCPTrainer(model=tiny_model(), args=training_args(out, 1), train_dataset=train_docs(),
+                                     eval_dataset=docs, cp_size=2, max_tokens=MAX_TOKENS)
+        metrics = _quiet(trainer).evaluate()
+    return metrics, [str(w.message) for w in caught]
+
+
+def test_evaluate_counts_split_documents_and_warns_that_the_loss_is_the_pieces(gloo):
+    g = torch.Generator().manual_seed(5)
+    docs = eval_docs() + [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in (MAX_TOKENS + 9, 130)]
+    want = stock_eval_loss(docs, piece=MAX_TOKENS)
+    for rank, (metrics, messages) in enumerate(gloo(2).run(split_eval_case, timeout=180, docs=docs)):
+        assert metrics["eval_split_documents"] == 2, (rank, metrics)
+        assert abs(metrics["eval_loss"] - want) <= 1e-5 * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
+        about_loss = [m for m in messages if "eval_loss is the loss of the pieces" in m]
+        assert len(about_loss) == 1 and about_loss[0].startswith(f"2 of {len(docs)} eval documents"), messages
 
 
 def predict_case(rank, world_size, group, cp_size):

@@ -145,12 +145,14 @@ def test_exactly_full_pack_has_no_padding_and_empty_documents_are_skipped():
     assert pack["document_ids"].tolist() == [[1, 1, 1, 1, 1, 2, 2, 2]]
 
 
-def test_oversize_split_and_reject():
+def test_oversize_split_and_raise():
     long_doc = {"input_ids": list(range(1, 21))}
-    with pytest.raises(ValueError, match=r"examples\[1\] has 20 tokens, more than max_tokens=8 \(oversize='reject'\)"):
-        BlockdiagCPCollator(8, oversize="reject")([{"input_ids": [1]}, long_doc])
+    for spelling in ("raise", "reject"):  # "reject": the earlier spelling
+        with pytest.raises(ValueError, match=r"examples\[1\] has 20 tokens, more than max_tokens=8 \(oversize='raise'\)"):
+            BlockdiagCPCollator(8, oversize=spelling)([{"input_ids": [1]}, long_doc])
     splitter = BlockdiagCPCollator(8, oversize="split")
-    pieces = splitter.documents([long_doc])
+    with pytest.warns(UserWarning, match=r"examples\[0\] has 20 tokens, more than max_tokens=8: it is split"):
+        pieces = splitter.documents([long_doc])
     assert [p[0].tolist() for p in pieces] == [list(range(1, 9)), list(range(9, 17)), list(range(17, 21))]
     with pytest.raises(ValueError, match=r"hold 20 tokens, more than max_tokens=8.*PackedBatchSampler"):
         splitter([long_doc])
@@ -160,8 +162,39 @@ def test_oversize_split_and_reject():
     assert len(sampler) == len(loader) == 3
     packs = [p["input_ids"].tolist()[0] for p in loader]
     assert packs == [list(range(1, 9)), list(range(9, 17)), [17, 18, 19, 20, 30, 31, 32, 0]]
-    with pytest.raises(ValueError, match=r"example 0 has 20 tokens, more than max_tokens=8 \(oversize='reject'\)"):
-        PackedBatchSampler([20, 3], 8, oversize="reject")
+    with pytest.raises(ValueError, match=r"document 0 has 20 tokens, more than max_tokens=8 \(oversize='raise'; "
+                                         r"2 of 3 documents are longer\)"):
+        PackedBatchSampler([20, 3, 9], 8, oversize="raise")
+
+
+def test_the_collator_warns_at_its_first_split_only():
+    collator = BlockdiagCPCollator(8)
+    with pytest.warns(UserWarning) as caught:
+        collator.documents([{"input_ids": list(range(1, 12))}])
+        collator.documents([{"input_ids": list(range(1, 30))}, {"input_ids": list(range(1, 10))}])
+    assert len(caught) == 1, [str(w.message) for w in caught]
+
+
+def test_split_documents_warn_once_per_run_with_their_count_and_tokens(recwarn):
+    """Lengths used by no other test, so this process has not warned about them yet."""
+    lengths = [5, 41, 17, 16, 17, 3, 90]
+    over = [n for n in lengths if n > 16]
+    sampler = PackedBatchSampler(lengths, 16, seed=1)
+    again = PackedBatchSampler(lengths, 16, seed=2)  # e.g. a second dataloader over the same data
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        list(sampler)
+    messages = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
+    expected = f"{len(over)} of {len(lengths)} documents ({sum(over)} tokens) are longer than max_tokens=16 and are split"
+    assert [m for m in messages if "max_tokens=16" in m] == [m for m in messages if m.startswith(expected)], messages
+    assert len([m for m in messages if m.startswith(expected)]) == 1, messages
+    assert (sampler.oversized.documents, sampler.oversized.tokens) == (again.oversized.documents, again.oversized.tokens)
+    assert (sampler.oversized.documents, sampler.oversized.tokens) == (len(over), sum(over))
+    # Each split document's pieces hold exactly its tokens: full pieces, then the remainder.
+    pieces = [item for pack in sampler.epoch_packs() for item in pack if not isinstance(item, int)]
+    assert sorted((p.index, p.start, p.stop) for p in pieces) == sorted(
+        (i, s, min(s + 16, n)) for i, n in enumerate(lengths) if n > 16 for s in range(0, n, 16)
+    )
 
 
 def test_too_many_documents_for_one_pack():
@@ -175,7 +208,7 @@ def test_too_many_documents_for_one_pack():
         ({"max_tokens": 0}, "max_tokens must be a positive integer"),
         ({"max_tokens": 12, "cp_size": 4}, r"max_tokens must be a multiple of 2\*cp_size = 8"),
         ({"max_tokens": 16, "cp_size": 2, "cp_rank": 2}, r"cp_rank must be None or an integer in \[0, cp_size=2\)"),
-        ({"max_tokens": 16, "oversize": "truncate"}, "oversize must be one of 'split', 'reject'"),
+        ({"max_tokens": 16, "oversize": "truncate"}, "oversize must be one of 'split', 'raise'"),
         ({"max_tokens": 16, "pad_token_id": -1}, "pad_token_id must be a non-negative integer"),
         ({"max_tokens": 16, "cp_size": 0}, "cp_size must be a positive integer"),
     ],

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.step import active_step
 from helpers.packs import make_pack
 from helpers.reference import build_models
 
@@ -78,3 +79,56 @@ def test_step_without_blockdiag_attention_raises():
     with pytest.raises(RuntimeError, match="no attention call went through 'blockdiag_cp'"):
         with train_ctx():
             ref(**local).loss.backward()
+
+
+def test_no_attention_error_names_the_models_current_attn_implementation():
+    """The cause met in practice: a second model built on the same config object and switched to
+    eager, which switches the CP model too; the error must name that implementation."""
+    _, model = build_models("llama")
+    other = type(model)(model.config)  # shares the config object
+    other.set_attn_implementation("eager")
+    _, batch = make_pack("straddle", 1)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
+    with pytest.raises(RuntimeError, match=r"config._attn_implementation is 'eager'; expected 'blockdiag_cp'.*"
+                                           r"shares this config object"):
+        with train_ctx():
+            model(**local).loss.backward()
+    # Without model=, the error says how to get that name.
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    with pytest.raises(RuntimeError, match="pass model= to make_cp_blockdiag_batch_and_ctx"):
+        with train_ctx():
+            model(**local).loss.backward()
+    # The right implementation, but its forward ran outside the step: that is what the error says.
+    model.set_attn_implementation("blockdiag_cp")
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
+    with pytest.raises(RuntimeError, match=r"is 'blockdiag_cp', so its forward did not run in this step"):
+        with train_ctx():
+            pass
+
+
+def test_the_step_travels_in_the_local_batch_and_train_ctx_checks_it():
+    """What README.md says of `train_ctx()`: attention finds the step in the local batch's
+    `blockdiag_cp_step`, so `model(**local)` is block-diagonal with or without the context (equal
+    loss and gradients, both the per-document eager loss); the context makes the step the active one
+    (for code without the keyword, e.g. the SDPA drop-in) and checks on exit that attention ran."""
+    ref, model = build_models("llama")
+    docs, batch = make_pack("straddle", 1)
+    want = sum(F.cross_entropy(ref(input_ids=d[None]).logits[0, :-1], d[1:], reduction="sum") for d in docs)
+    want = want / sum(d.numel() - 1 for d in docs)
+    results = []
+    for inside in (True, False):
+        model.zero_grad()
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
+        if inside:
+            with train_ctx():
+                assert active_step() is local["blockdiag_cp_step"]
+                loss = model(**local).loss
+                loss.backward()
+        else:
+            assert active_step() is None
+            loss = model(**local).loss
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    (loss_in, grads_in), (loss_out, grads_out) = results
+    assert torch.allclose(loss_in, want, rtol=1e-5) and torch.equal(loss_in, loss_out)
+    assert all(torch.equal(a, b) for a, b in zip(grads_in, grads_out))

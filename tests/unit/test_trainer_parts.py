@@ -1,12 +1,12 @@
 """The Trainer integration's parts that need no process group: `BlockdiagCPCallback`'s setup
-check of the activation-checkpointing mode and `TokenMeter`'s metrics. The Trainer runs
-themselves are in multiprocess/test_trainer.py."""
+check of the activation-checkpointing mode, `TokenMeter`'s metrics and `PackingOptions`' oversize
+policy. The Trainer runs themselves are in multiprocess/test_trainer.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, TokenMeter
+from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, PackingOptions, TokenMeter
 from helpers.trainer import tiny_model
 
 
@@ -34,3 +34,10 @@ def test_token_meter_metrics():
     assert metrics["cp_rank_imbalance"] == pytest.approx(36 / 24)
     assert metrics["cp_tokens_per_second"] > 0
     assert meter.pop() == {}  # a new window
+
+
+def test_packing_options_hold_one_oversize_policy():
+    assert PackingOptions(16).oversize == "split"
+    assert PackingOptions(16, oversize="reject").oversize == PackingOptions(16, oversize="raise").oversize == "raise"
+    with pytest.raises(ValueError, match="oversize must be one of 'split', 'raise'; got 'truncate'"):
+        PackingOptions(16, oversize="truncate")

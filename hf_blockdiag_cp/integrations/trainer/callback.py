@@ -1,5 +1,6 @@
-"""`BlockdiagCPCallback`: the setup checks at `on_train_begin` and the token metrics of the logs
-(`TokenMeter`, fed once per optimizer step by `BlockdiagCPTrainerMixin.get_batch_samples`)."""
+"""`BlockdiagCPCallback`: the setup checks at `on_train_begin`, the token metrics of the logs
+(`TokenMeter`, fed once per optimizer step by `BlockdiagCPTrainerMixin.get_batch_samples`) and
+what the steps ran (kernel, exchange, layout; fed by `BlockdiagCPTrainerMixin.training_step`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainerCallback
 
+from ...step.state import StepChoices
 from .setup import check_model_setup
 
 
@@ -62,7 +64,9 @@ class BlockdiagCPCallback(TrainerCallback):
     Metrics (added to every training log by `BlockdiagCPTrainerMixin`, over the window since
     the previous log): `cp_tokens_per_second` (real tokens of all ranks per second),
     `cp_packing_efficiency` (real tokens / pack tokens), `cp_real_tokens_rank{r}` and
-    `cp_rank_imbalance` (max / mean of the per-rank real tokens).
+    `cp_rank_imbalance` (max / mean of the per-rank real tokens); and, in the first log after a
+    step ran a choice not logged before, `cp_attn_kernel`, `cp_kv_exchange` and `cp_layout` (what
+    `auto` chose; several kernels joined by "+").
     """
 
     def __init__(self, cp_size: int = 1):
@@ -70,6 +74,8 @@ class BlockdiagCPCallback(TrainerCallback):
             raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
         self.cp_size = cp_size
         self.meter = TokenMeter(world_size=1)
+        self._choices_seen: set[StepChoices] = set()
+        self._choices_due: dict[str, str] = {}
 
     def check_setup(self, model, world_size: int, activation_checkpointing_kwargs: dict | None = None) -> None:
         """Raise ValueError for a setup that would train wrongly or hang under block-diagonal CP."""
@@ -83,5 +89,15 @@ class BlockdiagCPCallback(TrainerCallback):
         """Account one optimizer step (all ranks' numbers, identical on every rank)."""
         self.meter.add(real_tokens_per_rank, pack_tokens)
 
-    def pop_metrics(self) -> dict[str, float]:
-        return self.meter.pop()
+    def note_choices(self, choices: StepChoices) -> None:
+        """Remember what a step ran; a choice not seen before goes into the next log."""
+        if choices not in self._choices_seen:
+            self._choices_seen.add(choices)
+            self._choices_due.update(choices.as_logs())
+
+    def pop_metrics(self) -> dict[str, float | str]:
+        """The token metrics of the window since the last log, and the step choices not logged yet."""
+        metrics: dict[str, float | str] = self.meter.pop()
+        metrics.update(self._choices_due)
+        self._choices_due = {}
+        return metrics

@@ -4,13 +4,17 @@ The eval documents are packed by the same packing code as training (nothing drop
 partial pack is padded; packs that only fill the DP replicas' last round weigh 0), and every pack
 runs through the shard step under CP, forward only, each rank holding 1/G of it. `eval_loss` is
 the token-weighted mean over every predicted eval token (the training loss's definition), i.e.
-the stock model's loss on each document unpacked.
+the stock model's loss on each document unpacked, as long as no eval document is longer than a
+pack: those are split into pieces (oversize="split"), counted in `{prefix}_split_documents`, and
+the loss is then the pieces' loss, which a warning says.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -32,15 +36,32 @@ def _in_pack_order(rows: torch.Tensor, layout, cp) -> torch.Tensor:
     return full[: layout.original_seq_len].cpu()
 
 
-def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix: str) -> dict[str, float]:
-    """Token-weighted loss over every rank's targets (one SUM all-reduce of the per-rank totals)."""
+def _loss_metrics(totals: torch.Tensor, world_size: int, runtime: float, prefix: str, loader) -> dict[str, float | int]:
+    """Token-weighted loss over every rank's targets (one SUM all-reduce of the per-rank totals),
+    and how many documents of the dataset were split (the same on every rank: all plan alike)."""
     loss_sum, targets, tokens = sum_over_world(totals, world_size).tolist()
+    split = loader.batch_sampler.oversized.documents
+    if split:
+        _warn_split_loss(prefix, split, len(loader.batch_sampler.lengths), loader.batch_sampler.max_tokens)
     return {
         f"{prefix}_loss": loss_sum / targets if targets else math.nan,
         f"{prefix}_tokens": int(tokens),
+        f"{prefix}_split_documents": split,
         f"{prefix}_runtime": round(runtime, 4),
         f"{prefix}_tokens_per_second": round(tokens / runtime, 3) if runtime > 0 else math.nan,
     }
+
+
+@functools.cache
+def _warn_split_loss(prefix: str, documents: int, total: int, max_tokens: int) -> None:
+    """Warn (once per process for the same numbers) that the loss is not the per-document loss."""
+    warnings.warn(
+        f"{documents} of {total} {prefix} documents are longer than max_tokens={max_tokens} and were split into "
+        f"pieces: {prefix}_loss is the loss of the pieces (no piece attends to the one before it), not the "
+        "per-document loss. Raise max_tokens for a per-document loss",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 class ShardedEvaluationMixin:
@@ -73,10 +94,12 @@ class ShardedEvaluationMixin:
                 "1/cp_size of every pack); evaluate gives the token-weighted eval loss"
             )
         started = time.time()
+        loader = self.get_eval_dataloader(dataset)
         totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
-        for pack in self._sharded_forward(dataset, with_logits=False):
+        for pack in self._sharded_forward(loader, with_logits=False):
             totals += torch.tensor(pack["totals"], dtype=torch.float64)
-        metrics = _loss_metrics(totals, self.cp_coordinates.world_size, time.time() - started, metric_key_prefix)
+        runtime = time.time() - started
+        metrics = _loss_metrics(totals, self.cp_coordinates.world_size, runtime, metric_key_prefix, loader)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -93,13 +116,14 @@ class ShardedEvaluationMixin:
 
         c = self.cp_coordinates
         started = time.time()
+        loader = self.get_eval_dataloader(test_dataset)
         totals = torch.zeros(3, dtype=torch.float64)
         mine = []
-        for pack in self._sharded_forward(test_dataset, with_logits=True):
+        for pack in self._sharded_forward(loader, with_logits=True):
             totals += torch.tensor(pack["totals"], dtype=torch.float64)
             if pack["index"] is not None:
                 mine.append((pack["index"], pack["logits"], pack["labels"]))
-        metrics = _loss_metrics(totals, c.world_size, time.time() - started, metric_key_prefix)
+        metrics = _loss_metrics(totals, c.world_size, time.time() - started, metric_key_prefix, loader)
         group = world_group(c.world_size)
         if group is not None:  # every replica's packs to every rank (CP peers hold the same: rank 0 sends)
             everyone: list = [None] * c.world_size
@@ -110,12 +134,12 @@ class ShardedEvaluationMixin:
         label_ids = np.stack([labels.numpy() for _, _, labels in mine])
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
-    def _sharded_forward(self, dataset, with_logits: bool):
-        """Forward only, every pack of `dataset` through the shard step under CP. Yields per pack this
-        rank's `totals` (token-loss sum, targets, real tokens; zeros for packs that only fill the DP
-        replicas' last round), and with `with_logits` the pack's logits and shifted labels in pack
-        order (gathered over the CP group) and its index in the epoch (None for a fill pack)."""
-        loader = self.get_eval_dataloader(dataset)
+    def _sharded_forward(self, loader, with_logits: bool):
+        """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under
+        CP. Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs
+        that only fill the DP replicas' last round), and with `with_logits` the pack's logits and
+        shifted labels in pack order (gathered over the CP group) and its index in the epoch (None for
+        a fill pack)."""
         sampler = loader.batch_sampler
         repeats = sampler.replica_repeats()
         cp = resolve_cp_group(self.cp_mesh)
@@ -127,7 +151,8 @@ class ShardedEvaluationMixin:
                 for j, (batch, repeat) in enumerate(zip(loader, repeats)):
                     inputs = self._prepare_inputs(self._local_batch(batch))
                     train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
-                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+                        self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config,
+                        model=model,
                     )
                     local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
                     with train_ctx():

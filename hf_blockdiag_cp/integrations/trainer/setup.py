@@ -16,12 +16,18 @@ import torch.distributed as dist
 from ...comm.consensus import collective_device
 from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh
 from ...data.collator import BlockdiagCPCollator
+from ...data.packing import oversize_policy
+from ..accelerate import launched_world_size
 from ..transformers import ATTN_IMPLEMENTATION
 
 
 @dataclass(frozen=True)
 class PackingOptions:
-    """How the Trainer packs `train_dataset` (see `hf_blockdiag_cp.data.packed_dataloader`)."""
+    """How the Trainer packs its train and eval datasets (see `hf_blockdiag_cp.data.packed_dataloader`).
+
+    `oversize`: what happens to a document longer than `max_tokens`: "split" (cut into pack-sized
+    pieces, each its own document; a warning counts them) or "raise" (a ValueError naming it).
+    """
 
     max_tokens: int
     pad_token_id: int = 0
@@ -29,6 +35,9 @@ class PackingOptions:
     oversize: str = "split"
     shuffle: bool = True
     length_key: str = "input_ids"
+
+    def __post_init__(self):
+        object.__setattr__(self, "oversize", oversize_policy(self.oversize))  # frozen: normalise once
 
     def validate(self, cp_size: int) -> None:
         """Raise ValueError naming the field (the collator's own checks: positive, multiple of 2*cp_size, ...)."""
@@ -135,9 +144,29 @@ def check_no_foreign_parallelism(owner: str, parallelism_config) -> None:
         )
 
 
+def check_launched_world(args) -> None:
+    """Raise if the launcher started several processes but TrainingArguments runs each alone: on a host
+    without CUDA, transformers does that unless `use_cpu=True`."""
+    launched = launched_world_size()
+    if launched <= 1 or args.world_size == launched:
+        return
+    if not torch.cuda.is_available() and not args.use_cpu:
+        fix = (
+            "This host has no CUDA, and then transformers joins the processes only with TrainingArguments(use_cpu=True): "
+            "pass use_cpu=True (or use_cpu=not torch.cuda.is_available(), right on CPU and on GPUs)"
+        )
+    else:
+        fix = "Check the launcher's environment (RANK, WORLD_SIZE, LOCAL_RANK) and TrainingArguments' device settings"
+    raise ValueError(
+        f"the launcher started {launched} processes (WORLD_SIZE={launched}), but TrainingArguments sees world size "
+        f"{args.world_size}: each process would train alone. {fix}"
+    )
+
+
 def check_trainer_setup(trainer, cp_size: int) -> None:
     """Misconfigurations of a constructed Trainer that would silently break I2 or run the Trainer's own CP."""
     args = trainer.args
+    check_launched_world(args)
     check_model_setup(trainer.model, args.world_size, cp_size, getattr(args, "activation_checkpointing_kwargs", None))
     check_no_foreign_parallelism("accelerator", getattr(trainer.accelerator, "parallelism_config", None))
     if args.per_device_train_batch_size != 1:

@@ -9,7 +9,7 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
 - `get_batch_samples`: counts the targets of the whole optimizer step over every rank (one
   SUM all-reduce per optimizer step, which also carries the token metrics).
 - `training_step`: shard step (`make_cp_blockdiag_batch_and_ctx`), then the stock step, i.e.
-  forward and `accelerator.backward`, inside `train_ctx()`.
+  forward and `accelerator.backward`, inside `train_ctx()`; what the step ran goes to the callback.
 - `compute_loss`: passes `num_items_in_batch = N / W` to the model (N = targets of the whole
   optimizer step over all ranks, W = world size), so each rank's loss is
   `local token-loss sum * W / N` (I2): DDP's gradient mean over the W ranks and the Trainer's
@@ -54,8 +54,8 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         [dp*cp_size, (dp+1)*cp_size). Default: `hf_blockdiag_cp.comm.build_dp_cp_mesh(...).cp`.
       cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
         default, `configure_cp`). Its layout shards training and evaluation packs.
-      pad_token_id, packing_buffer_size, oversize ("split"|"reject"), shuffle, length_key:
-        packing options of `hf_blockdiag_cp.data.packed_dataloader`.
+      pad_token_id, packing_buffer_size, oversize ("split"|"raise"), shuffle, length_key:
+        packing options (`PackingOptions`) of `hf_blockdiag_cp.data.packed_dataloader`.
     Do not pass `data_collator`: training batches come from the packed dataloader.
     """
 
@@ -177,10 +177,12 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         """Shard step, then the stock step (forward + backward) inside the step context."""
         inputs = self._prepare_inputs(self._local_batch(inputs))
         train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
-            self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config
+            self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config, model=model
         )
-        with train_ctx():
-            return super().training_step(model, local, num_items_in_batch)
+        with train_ctx() as step:
+            loss = super().training_step(model, local, num_items_in_batch)
+        self.cp_callback.note_choices(step.choices)  # kernel, exchange, layout: into the next log, once each
+        return loss
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """Each rank: local token-loss sum * W / N, so means over the W ranks are the non-CP loss and gradient (I2)."""
