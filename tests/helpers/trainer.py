@@ -1,9 +1,14 @@
-"""The tiny Llama the Trainer tests train (the parity config of helpers/reference.py, no cache)."""
+"""The tiny Llama the Trainer tests train (the parity config of helpers/reference.py, no cache), and
+how a gloo pool worker runs a Trainer: accelerate's view of the rank, no console callbacks."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
+
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PrinterCallback, ProgressCallback
 
 import hf_blockdiag_cp  # noqa: F401 - registers "blockdiag_cp"
 from helpers.reference import tiny_config
@@ -13,3 +18,38 @@ def tiny_model(attn: str = "blockdiag_cp", **overrides):
     torch.manual_seed(0)
     config = tiny_config("llama", **{"use_cache": False, **overrides})
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def accelerate_env(rank: int, world_size: int):
+    """Make accelerate treat this pool worker as rank `rank` of a `world_size` CPU run; undo it afterwards.
+
+    The Trainers run inside the shared gloo pool: accelerate's PartialState joins the already
+    initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
+    Yields a temporary output directory.
+    """
+    from accelerate.state import AcceleratorState
+
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in keys}
+    if world_size > 1:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            yield out
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def quiet(trainer):
+    """The trainer without its console callbacks (the pool's workers share one terminal)."""
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    return trainer

@@ -14,13 +14,9 @@ eval document unpacked.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
 import pytest
 import torch
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
@@ -29,7 +25,8 @@ from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
-from helpers.trainer import tiny_model
+from helpers.trainer import accelerate_env, tiny_model
+from helpers.trainer import quiet as _quiet
 
 MAX_TOKENS = 48
 STEPS = 3
@@ -65,35 +62,6 @@ def training_args(output_dir: str, accumulation: int, **overrides) -> TrainingAr
     )
     settings.update(overrides)
     return TrainingArguments(**settings)
-
-
-@contextlib.contextmanager
-def accelerate_env(rank: int, world_size: int):
-    """Make accelerate treat this pool worker as rank `rank` of a `world_size` CPU run; undo it afterwards."""
-    from accelerate.state import AcceleratorState
-
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    if world_size > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            yield out
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _quiet(trainer: Trainer) -> Trainer:
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
-    return trainer
 
 
 def _outcome(trainer: Trainer, initial: dict, output=None) -> dict:

@@ -1,0 +1,94 @@
+"""Data and reference of the TRL SFT tests: a character tokenizer built in-process (no downloads),
+pre-tokenized, text and prompt/completion datasets, and the stock model's token-weighted loss on
+every document alone (the reference the packed, CP-sharded SFT runs must equal)."""
+
+from __future__ import annotations
+
+import random
+import string
+
+import torch
+import torch.nn.functional as F
+
+from helpers.reference import VOCAB
+from helpers.trainer import tiny_model
+
+SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
+CHARS = string.ascii_lowercase + " .,?!'"
+CHAR_IDS = {c: i for i, c in enumerate(CHARS, start=len(SPECIALS))}
+EOS_ID = SPECIALS.index("<eos>")
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "why", "not", "dogs", "run", "far", "and", "fast", "it's", "over")
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (one token per character of CHARS), pad and eos as TRL needs them."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{t: i for i, t in enumerate(SPECIALS)}, **CHAR_IDS}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def encode(text: str) -> list[int]:
+    """The token ids of `text` without the tokenizer object: one id per character."""
+    return [CHAR_IDS[c] for c in text]
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + rng.choice(".?!")
+
+
+def token_documents() -> list[list[int]]:
+    """Pre-tokenized documents of heavy-tailed lengths (2 to 200 tokens)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [2, 7, 200, 31, 64, 5, 120, 18, 90, 3, 150, 44, 11, 77, 9, 25, 160, 60, 13, 38]
+    return [torch.randint(len(SPECIALS), VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def texts() -> list[str]:
+    rng = random.Random(7)
+    return [_sentence(rng, rng.randint(1, 30)) for _ in range(24)]
+
+
+def prompt_completions() -> list[tuple[str, str]]:
+    rng = random.Random(9)
+    return [(_sentence(rng, rng.randint(1, 12)) + " ", _sentence(rng, rng.randint(1, 10))) for _ in range(24)]
+
+
+def sft_dataset(kind: str):
+    """The `datasets.Dataset` given to the trainer: `tokens` (input_ids), `text` or `prompt_completion`."""
+    from datasets import Dataset
+
+    if kind == "tokens":
+        return Dataset.from_dict({"input_ids": token_documents()})
+    if kind == "text":
+        return Dataset.from_dict({"text": texts()})
+    if kind == "prompt_completion":
+        pairs = prompt_completions()
+        return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
+    raise ValueError(kind)
+
+
+def reference_documents(kind: str, completion_only: bool = True) -> list[tuple[list[int], int]]:
+    """Per document: its token ids and the first position that is a target (1: every next token;
+    completion-only loss: the first completion token). Text gets the eos TRL appends."""
+    if kind == "tokens":
+        return [(ids, 1) for ids in token_documents()]
+    if kind == "text":
+        return [(encode(t) + [EOS_ID], 1) for t in texts()]
+    return [(encode(p) + encode(c) + [EOS_ID], len(p) if completion_only else 1) for p, c in prompt_completions()]
+
+
+def stock_loss(kind: str, completion_only: bool = True) -> tuple[float, int]:
+    """(token-weighted mean loss, target count) of the stock eager model (tiny_model's weights) on every document alone."""
+    model = tiny_model("eager").eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, first_target in reference_documents(kind, completion_only):
+            tokens = torch.tensor(ids)
+            logits = model(input_ids=tokens[None]).logits[0].double()
+            total += float(F.cross_entropy(logits[first_target - 1 : -1], tokens[first_target:], reduction="sum"))
+            count += tokens.numel() - first_target
+    return total / count, count

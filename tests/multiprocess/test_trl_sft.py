@@ -1,0 +1,153 @@
+"""`BlockdiagCPSFTTrainer` (TRL's SFTTrainer under block-diagonal CP) on real gloo groups.
+
+Evaluation: for a pre-tokenized dataset, a text dataset (tokenized by TRL with a character
+tokenizer built in-process) and a prompt/completion dataset (completion-only loss), packed by
+TRL (`SFTConfig(packing=True, max_length=256)`, strategy bfd), `evaluate()` runs every pack
+through the shard step (each rank's attention sees 256 / cp_size query rows) and `eval_loss`
+equals the stock eager model's token-weighted loss on every document alone, computed from the
+texts without TRL or the tokenizer. Training: the losses, gradient norms and final weights of
+cp = 2 (DDP) equal those of TRL's stock `SFTTrainer` with the stock `sdpa` model on the
+same packs (one optimizer step = one epoch, so the data order does not matter; SGD, no
+clipping, so a gradient scale error shows).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
+from helpers.sft import char_tokenizer, sft_dataset, stock_loss  # noqa: E402
+from helpers.trainer import accelerate_env, quiet, tiny_model  # noqa: E402
+
+MAX_LENGTH = 256
+EVAL_TOL = 1e-5
+STEPS = 3
+LOSS_TOL = 1e-5
+GRAD_NORM_TOL = 1e-4
+UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
+
+
+def sft_config(output_dir: str, **overrides) -> SFTConfig:
+    settings = dict(
+        output_dir=output_dir,
+        packing=True,
+        max_length=MAX_LENGTH,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=16,  # more than the packs of an epoch: one optimizer step per epoch
+        max_steps=STEPS,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # SFTConfig's default is True (CPU autocast); the references are fp32
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return SFTConfig(**settings)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def eval_case(rank, world_size, group, kind, cp_size, predict=False):
+    from transformers import AttentionInterface
+
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
+
+    query_rows = []
+
+    def counting(module, query, *args, **kwargs):
+        if kwargs.get("blockdiag_cp_step") is not None:
+            query_rows.append(query.shape[2])
+        return blockdiag_cp_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("blockdiag_cp", counting)
+    try:
+        with accelerate_env(rank, world_size) as out:
+            data = sft_dataset(kind)
+            trainer = quiet(BlockdiagCPSFTTrainer(
+                model=tiny_model(), args=sft_config(out), train_dataset=data, eval_dataset=data,
+                processing_class=char_tokenizer(), cp_size=cp_size,
+            ))
+            metrics = trainer.evaluate()
+            predicted = trainer.predict(data) if predict else None
+    finally:
+        AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
+    targets = None if predicted is None else (int((predicted.label_ids != -100).sum()), predicted.metrics["test_loss"])
+    return metrics, sorted(set(query_rows)), targets
+
+
+@pytest.mark.parametrize(
+    "kind,world_size,cp_size",
+    [("tokens", 2, 2), ("text", 2, 2), ("tokens", 4, 2)],
+    ids=["pretokenized-dp1xcp2", "text-dp1xcp2", "pretokenized-dp2xcp2"],
+)
+def test_sharded_evaluate_equals_stock_loss_per_document(gloo, kind, world_size, cp_size):
+    want, _ = stock_loss(kind)
+    for rank, (metrics, query_rows, _) in enumerate(gloo(world_size).run(eval_case, timeout=240, kind=kind,
+                                                                        cp_size=cp_size)):
+        assert abs(metrics["eval_loss"] - want) <= EVAL_TOL * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
+        assert query_rows == [MAX_LENGTH // cp_size], f"rank {rank}: attention query rows {query_rows}"
+
+
+def test_completion_only_loss_leaves_the_prompt_out(gloo):
+    """TRL masks the prompt tokens of a prompt/completion dataset; they stay masked under CP: the
+    eval loss is the stock loss over the completion tokens only, and `predict`'s labels hold
+    exactly the completion targets."""
+    want, targets = stock_loss("prompt_completion")
+    everything, _ = stock_loss("prompt_completion", completion_only=False)  # the loss with the prompt in
+    assert abs(want - everything) > 10 * EVAL_TOL * want, "the reference cannot tell the two losses apart"
+    for rank, (metrics, query_rows, (labelled, test_loss)) in enumerate(
+        gloo(2).run(eval_case, timeout=240, kind="prompt_completion", cp_size=2, predict=True)
+    ):
+        assert abs(metrics["eval_loss"] - want) <= EVAL_TOL * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
+        assert abs(test_loss - want) <= EVAL_TOL * want, f"rank {rank}: test_loss {test_loss} vs {want}"
+        assert labelled == targets, f"rank {rank}: {labelled} labelled positions, {targets} completion targets"
+        assert query_rows == [MAX_LENGTH // 2]
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train_case(rank, world_size, group, cp_size, stock=False, **overrides):
+    with accelerate_env(rank, world_size) as out:
+        model = tiny_model("sdpa" if stock else "blockdiag_cp")
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        kwargs = dict(model=model, args=sft_config(out, **overrides), train_dataset=sft_dataset("text"),
+                      processing_class=char_tokenizer())
+        trainer = quiet(SFTTrainer(**kwargs) if stock else BlockdiagCPSFTTrainer(**kwargs, cp_size=cp_size))
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+        return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
+                "weights": weights, "initial": initial}
+
+
+@pytest.fixture(scope="module")
+def stock_training(gloo):
+    return gloo(1).run(train_case, timeout=240, cp_size=1, stock=True)[0]
+
+
+def test_training_matches_stock_sft_trainer(gloo, stock_training):
+    ref = stock_training
+    assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0], ref["losses"]
+    for rank, got in enumerate(gloo(2).run(train_case, timeout=240, cp_size=2)):
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), start=1):
+            assert abs(a - b) <= LOSS_TOL * abs(b), f"rank {rank} step {step}: loss {a} vs stock {b}"
+        for step, (a, b) in enumerate(zip(got["grad_norms"], ref["grad_norms"], strict=True), start=1):
+            assert abs(a - b) <= GRAD_NORM_TOL * abs(b), f"rank {rank} step {step}: grad norm {a} vs stock {b}"
+        for name, w_ref in ref["weights"].items():
+            update = (w_ref - ref["initial"][name]).abs().max()
+            err = (got["weights"][name] - w_ref).abs().max()
+            assert update > 0 and err <= UPDATE_TOL * update, f"rank {rank} {name}: {err:.3e} off, update {update:.3e}"
