@@ -17,6 +17,9 @@ SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 CHARS = string.ascii_lowercase + " .,?!'"
 CHAR_IDS = {c: i for i, c in enumerate(CHARS, start=len(SPECIALS))}
 EOS_ID = SPECIALS.index("<eos>")
+MAX_LENGTH = 256  # SFTConfig.max_length: the pack size
+STEPS = 3
+ACCUMULATION = 16  # micro-batches per optimizer step: more than the packs of an epoch
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "why", "not", "dogs", "run", "far", "and", "fast", "it's", "over")
 
 
@@ -92,3 +95,30 @@ def stock_loss(kind: str, completion_only: bool = True) -> tuple[float, int]:
             total += float(F.cross_entropy(logits[first_target - 1 : -1], tokens[first_target:], reduction="sum"))
             count += tokens.numel() - first_target
     return total / count, count
+
+
+def sft_config(output_dir: str, **overrides):
+    """The tests' SFTConfig: packs of MAX_LENGTH, plain SGD without clipping, fp32, one optimizer step per epoch."""
+    from trl import SFTConfig
+
+    settings = dict(
+        output_dir=output_dir,
+        packing=True,
+        max_length=MAX_LENGTH,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=ACCUMULATION,  # one optimizer step per epoch
+        max_steps=STEPS,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,  # SFTConfig's default is True (CPU autocast); the references are fp32
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return SFTConfig(**settings)

@@ -18,43 +18,18 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-import torch  # noqa: E402
-from trl import SFTConfig, SFTTrainer  # noqa: E402
+from trl import SFTTrainer  # noqa: E402
 
 from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
-from helpers.sft import char_tokenizer, sft_dataset, stock_loss  # noqa: E402
+from helpers.sft import (  # noqa: E402
+    ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, sft_config, sft_dataset, stock_loss,
+)
 from helpers.trainer import accelerate_env, quiet, tiny_model  # noqa: E402
 
-MAX_LENGTH = 256
 EVAL_TOL = 1e-5
-STEPS = 3
 LOSS_TOL = 1e-5
 GRAD_NORM_TOL = 1e-4
 UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
-
-
-def sft_config(output_dir: str, **overrides) -> SFTConfig:
-    settings = dict(
-        output_dir=output_dir,
-        packing=True,
-        max_length=MAX_LENGTH,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=16,  # more than the packs of an epoch: one optimizer step per epoch
-        max_steps=STEPS,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,  # SFTConfig's default is True (CPU autocast); the references are fp32
-        seed=0,
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return SFTConfig(**settings)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -131,7 +106,7 @@ def train_case(rank, world_size, group, cp_size, stock=False, **overrides):
         logs = [h for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
         return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
-                "weights": weights, "initial": initial}
+                "weights": weights, "initial": initial, "packs": len(trainer.train_dataset)}
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +117,7 @@ def stock_training(gloo):
 def test_training_matches_stock_sft_trainer(gloo, stock_training):
     ref = stock_training
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0], ref["losses"]
+    assert ref["packs"] <= ACCUMULATION, f"{ref['packs']} packs: an optimizer step must cover the epoch"
     for rank, got in enumerate(gloo(2).run(train_case, timeout=240, cp_size=2)):
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), start=1):
             assert abs(a - b) <= LOSS_TOL * abs(b), f"rank {rank} step {step}: loss {a} vs stock {b}"
