@@ -23,6 +23,13 @@ ACCUMULATION = 16  # micro-batches per optimizer step: more than the packs of an
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "why", "not", "dogs", "run", "far", "and", "fast", "it's", "over")
 
 
+# Chat template with generation markers: TRL's assistant_only_loss masks everything outside them.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+
+
 def char_tokenizer():
     """A character-level fast tokenizer (one token per character of CHARS), pad and eos as TRL needs them."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
@@ -31,7 +38,8 @@ def char_tokenizer():
     vocab = {**{t: i for i, t in enumerate(SPECIALS)}, **CHAR_IDS}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def encode(text: str) -> list[int]:
@@ -60,6 +68,16 @@ def prompt_completions() -> list[tuple[str, str]]:
     return [(_sentence(rng, rng.randint(1, 12)) + " ", _sentence(rng, rng.randint(1, 10))) for _ in range(24)]
 
 
+def conversations() -> list[list[dict]]:
+    rng = random.Random(11)
+    chats = []
+    for _ in range(16):
+        turns = rng.randint(1, 3)
+        chats.append([{"role": role, "content": _sentence(rng, rng.randint(1, 8))}
+                      for _ in range(turns) for role in ("user", "assistant")])
+    return chats
+
+
 def sft_dataset(kind: str):
     """The `datasets.Dataset` given to the trainer: `tokens` (input_ids), `text` or `prompt_completion`."""
     from datasets import Dataset
@@ -71,29 +89,51 @@ def sft_dataset(kind: str):
     if kind == "prompt_completion":
         pairs = prompt_completions()
         return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
+    if kind == "conversation":
+        return Dataset.from_dict({"messages": conversations()})
     raise ValueError(kind)
 
 
-def reference_documents(kind: str, completion_only: bool = True) -> list[tuple[list[int], int]]:
-    """Per document: its token ids and the first position that is a target (1: every next token;
-    completion-only loss: the first completion token). Text gets the eos TRL appends."""
+def _conversation_tokens(chat: list[dict]) -> tuple[list[int], list[bool]]:
+    """CHAT_TEMPLATE rendered by hand: ids and, per token, whether it is an assistant token."""
+    ids, assistant = [], []
+    for message in chat:
+        if message["role"] == "assistant":
+            part, mine = encode(message["content"]) + [EOS_ID], True
+        else:
+            part, mine = encode(message["content"] + " "), False
+        ids += part
+        assistant += [mine] * len(part)
+    return ids, assistant
+
+
+def reference_documents(kind: str, masked: bool = True) -> list[tuple[list[int], list[int]]]:
+    """Per document: its token ids and the positions t whose token is a target (predicted from
+    the tokens before it). Unmasked: every t >= 1; `masked`: only completion / assistant tokens.
+    Text and completions get the eos TRL appends."""
+    docs: list[tuple[list[int], list[bool]]]
     if kind == "tokens":
-        return [(ids, 1) for ids in token_documents()]
-    if kind == "text":
-        return [(encode(t) + [EOS_ID], 1) for t in texts()]
-    return [(encode(p) + encode(c) + [EOS_ID], len(p) if completion_only else 1) for p, c in prompt_completions()]
+        docs = [(ids, [True] * len(ids)) for ids in token_documents()]
+    elif kind == "text":
+        docs = [(encode(t) + [EOS_ID], [True] * (len(t) + 1)) for t in texts()]
+    elif kind == "prompt_completion":
+        docs = [(encode(p) + encode(c) + [EOS_ID], [False] * len(p) + [True] * (len(c) + 1))
+                for p, c in prompt_completions()]
+    else:
+        docs = [_conversation_tokens(chat) for chat in conversations()]
+    return [(ids, [t for t in range(1, len(ids)) if keep[t] or not masked]) for ids, keep in docs]
 
 
-def stock_loss(kind: str, completion_only: bool = True) -> tuple[float, int]:
+def stock_loss(kind: str, masked: bool = True) -> tuple[float, int]:
     """(token-weighted mean loss, target count) of the stock eager model (tiny_model's weights) on every document alone."""
     model = tiny_model("eager").eval()
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, first_target in reference_documents(kind, completion_only):
-            tokens = torch.tensor(ids)
+        for ids, targets in reference_documents(kind, masked):
+            tokens, where = torch.tensor(ids), torch.tensor(targets)
             logits = model(input_ids=tokens[None]).logits[0].double()
-            total += float(F.cross_entropy(logits[first_target - 1 : -1], tokens[first_target:], reduction="sum"))
-            count += tokens.numel() - first_target
+            total += float(F.cross_entropy(logits[where - 1], tokens[where], reduction="sum"))
+            count += len(targets)
     return total / count, count
 
 

@@ -1,7 +1,8 @@
 """`BlockdiagCPSFTTrainer` (TRL's SFTTrainer under block-diagonal CP) on real gloo groups.
 
 Evaluation: for a pre-tokenized dataset, a text dataset (tokenized by TRL with a character
-tokenizer built in-process) and a prompt/completion dataset (completion-only loss), packed by
+tokenizer built in-process), a prompt/completion dataset (completion-only loss) and a
+conversational one (assistant_only_loss, the tokenizer's chat template), packed by
 TRL (`SFTConfig(packing=True, max_length=256)`, strategy bfd), `evaluate()` runs every pack
 through the shard step (each rank's attention sees 256 / cp_size query rows) and `eval_loss`
 equals the stock eager model's token-weighted loss on every document alone, computed from the
@@ -52,7 +53,8 @@ def eval_case(rank, world_size, group, kind, cp_size, predict=False):
         with accelerate_env(rank, world_size) as out:
             data = sft_dataset(kind)
             trainer = quiet(BlockdiagCPSFTTrainer(
-                model=tiny_model(), args=sft_config(out), train_dataset=data, eval_dataset=data,
+                model=tiny_model(), args=sft_config(out, assistant_only_loss=kind == "conversation"),
+                train_dataset=data, eval_dataset=data,
                 processing_class=char_tokenizer(), cp_size=cp_size,
             ))
             metrics = trainer.evaluate()
@@ -76,19 +78,20 @@ def test_sharded_evaluate_equals_stock_loss_per_document(gloo, kind, world_size,
         assert query_rows == [MAX_LENGTH // cp_size], f"rank {rank}: attention query rows {query_rows}"
 
 
-def test_completion_only_loss_leaves_the_prompt_out(gloo):
-    """TRL masks the prompt tokens of a prompt/completion dataset; they stay masked under CP: the
-    eval loss is the stock loss over the completion tokens only, and `predict`'s labels hold
-    exactly the completion targets."""
-    want, targets = stock_loss("prompt_completion")
-    everything, _ = stock_loss("prompt_completion", completion_only=False)  # the loss with the prompt in
+@pytest.mark.parametrize("kind", ["prompt_completion", "conversation"])
+def test_masked_tokens_carry_no_loss(gloo, kind):
+    """TRL masks the prompt (completion-only loss) or every non-assistant token (assistant_only_loss)
+    with -100; under CP they stay masked: the eval loss is the stock loss over the completion /
+    assistant tokens only, and `predict`'s labels hold exactly those targets."""
+    want, targets = stock_loss(kind)
+    everything, _ = stock_loss(kind, masked=False)  # the loss with the masked tokens in
     assert abs(want - everything) > 10 * EVAL_TOL * want, "the reference cannot tell the two losses apart"
     for rank, (metrics, query_rows, (labelled, test_loss)) in enumerate(
-        gloo(2).run(eval_case, timeout=240, kind="prompt_completion", cp_size=2, predict=True)
+        gloo(2).run(eval_case, timeout=240, kind=kind, cp_size=2, predict=True)
     ):
         assert abs(metrics["eval_loss"] - want) <= EVAL_TOL * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
         assert abs(test_loss - want) <= EVAL_TOL * want, f"rank {rank}: test_loss {test_loss} vs {want}"
-        assert labelled == targets, f"rank {rank}: {labelled} labelled positions, {targets} completion targets"
+        assert labelled == targets, f"rank {rank}: {labelled} labelled positions, {targets} targets"
         assert query_rows == [MAX_LENGTH // 2]
 
 
