@@ -7,19 +7,16 @@ before any collective."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.scripts import ROOT, finish, free_port, load_script, script_env, start  # noqa: E402
+
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
 STEPS = 3
 ARGS = [
@@ -27,35 +24,15 @@ ARGS = [
     "--eval-examples", "60", "--optimizer", "sgd", "--lr", "0.3", "--max-grad-norm", "0", "--seed", "0",
 ]
 TOL = 1e-4
-RUN_TIMEOUT = 300
-
-
-def _env(**extra) -> dict:
-    # One thread per process: CI shares 2 cores, and oversubscribed OpenMP threads spin.
-    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **extra)
-
-
-def _run(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _wait(proc: subprocess.Popen, log: Path, what: str) -> None:
-    try:
-        rc = proc.wait(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{what} did not finish in {RUN_TIMEOUT}s; log tail:\n{log.read_text()[-3000:]}")
-    assert rc == 0, f"{what} exited with {rc}; log tail:\n{log.read_text()[-3000:]}"
 
 
 def test_cp2_sft_run_matches_one_process(tmp_path):
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    one = _run([sys.executable, str(EXAMPLE), *ARGS, "--output-dir", str(one_dir)], tmp_path / "one.log")
-    two = _run([*launch, str(EXAMPLE), *ARGS, "--output-dir", str(two_dir)], tmp_path / "two.log")
-    _wait(one, tmp_path / "one.log", "1-process run")
-    _wait(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
+    one = start([sys.executable, str(EXAMPLE), *ARGS, "--output-dir", str(one_dir)], tmp_path / "one.log")
+    two = start([*launch, str(EXAMPLE), *ARGS, "--output-dir", str(two_dir)], tmp_path / "two.log")
+    finish(one, tmp_path / "one.log", "1-process run")
+    finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], cp2["cp_size"], cp2["world_size"]) == (1, 2, 2), "torchrun did not start 2 CP ranks"
@@ -65,23 +42,6 @@ def test_cp2_sft_run_matches_one_process(tmp_path):
         assert abs(a - b) <= TOL * abs(a), f"step {step}: cp=2 loss {b} vs 1 process {a}"
     assert abs(single["eval_loss"] - cp2["eval_loss"]) <= TOL * single["eval_loss"]
     assert single["eval_tokens"] == cp2["eval_tokens"] > 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _example_module():
-    sys.path.insert(0, str(EXAMPLE.parent))  # the example imports its sibling scripts
-    try:
-        spec = importlib.util.spec_from_file_location("sft_trl_example", EXAMPLE)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(EXAMPLE.parent))
 
 
 @pytest.mark.parametrize(
@@ -95,15 +55,15 @@ def _example_module():
     ],
 )
 def test_argument_errors_name_the_flag(world_size, args, expected):
-    example = _example_module()
+    example = load_script(EXAMPLE, "sft_trl_example")
     reason = example.argument_error(example.parse_args(args), world_size)
     assert reason == expected if expected is None else reason.startswith(expected), reason
 
 
 def test_bad_argument_ends_each_rank_with_one_line():
     """Rank 1 of a 2-process world, started alone: it must exit 2 with the one-line reason, not wait for its peer."""
-    env = _env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))
+    env = script_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(free_port()))
     run = subprocess.run([sys.executable, str(EXAMPLE), "--max-length", "250"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     lines = (run.stdout + run.stderr).strip().splitlines()

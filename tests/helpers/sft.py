@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.reference import VOCAB
-from helpers.trainer import tiny_model
+from helpers.trainer import tiny_model, trainer_settings
 
 SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
 CHARS = string.ascii_lowercase + " .,?!'"
@@ -138,27 +138,10 @@ def stock_loss(kind: str, masked: bool = True) -> tuple[float, int]:
 
 
 def sft_config(output_dir: str, **overrides):
-    """The tests' SFTConfig: packs of MAX_LENGTH, plain SGD without clipping, fp32, one optimizer step per epoch."""
+    """The tests' SFTConfig: the Trainer tests' settings (plain SGD, no clipping), packs of MAX_LENGTH,
+    fp32 (SFTConfig's default bf16=True would autocast on the CPU), one optimizer step per epoch."""
     from trl import SFTConfig
 
-    settings = dict(
-        output_dir=output_dir,
-        packing=True,
-        max_length=MAX_LENGTH,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=ACCUMULATION,  # one optimizer step per epoch
-        max_steps=STEPS,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,  # SFTConfig's default is True (CPU autocast); the references are fp32
-        seed=0,
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return SFTConfig(**settings)
+    settings = {**trainer_settings(output_dir, ACCUMULATION, STEPS), "packing": True, "max_length": MAX_LENGTH,
+                "bf16": False}
+    return SFTConfig(**{**settings, **overrides})

@@ -1,5 +1,6 @@
-"""The tiny Llama the Trainer tests train (the parity config of helpers/reference.py, no cache), and
-how a gloo pool worker runs a Trainer: accelerate's view of the rank, no console callbacks."""
+"""The tiny Llama the Trainer tests train (the parity config of helpers/reference.py, no cache), their
+training arguments, and how a gloo pool worker runs a Trainer: accelerate's view of the rank, no
+console callbacks, the attention calls of a CP step counted."""
 
 from __future__ import annotations
 
@@ -18,6 +19,27 @@ def tiny_model(attn: str = "blockdiag_cp", **overrides):
     torch.manual_seed(0)
     config = tiny_config("llama", **{"use_cache": False, **overrides})
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+
+
+def trainer_settings(output_dir: str, accumulation: int, steps: int) -> dict:
+    """The Trainer tests' arguments: plain SGD without clipping (a gradient scale error shows in the
+    weights; Adam would hide it), one pack per micro-batch, a log per step, CPU, no checkpoints."""
+    return dict(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=accumulation,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
 
 
 @contextlib.contextmanager
@@ -53,3 +75,25 @@ def quiet(trainer):
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
     return trainer
+
+
+@contextlib.contextmanager
+def counting_attention():
+    """Register a `blockdiag_cp` attention that records the query rows of every call inside a CP
+    step (each rank's share of the pack); yields that list; restores the library's function after."""
+    from transformers import AttentionInterface
+
+    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
+
+    query_rows: list[int] = []
+
+    def counting(module, query, *args, **kwargs):
+        if kwargs.get("blockdiag_cp_step") is not None:
+            query_rows.append(query.shape[2])
+        return blockdiag_cp_attention_forward(module, query, *args, **kwargs)
+
+    AttentionInterface.register("blockdiag_cp", counting)
+    try:
+        yield query_rows
+    finally:
+        AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)

@@ -25,7 +25,7 @@ from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
 from helpers.sft import (  # noqa: E402
     ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, sft_config, sft_dataset, stock_loss,
 )
-from helpers.trainer import accelerate_env, quiet, tiny_model  # noqa: E402
+from helpers.trainer import accelerate_env, counting_attention, quiet, tiny_model  # noqa: E402
 
 EVAL_TOL = 1e-5
 LOSS_TOL = 1e-5
@@ -37,30 +37,14 @@ UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
 
 
 def eval_case(rank, world_size, group, kind, cp_size, predict=False):
-    from transformers import AttentionInterface
-
-    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
-
-    query_rows = []
-
-    def counting(module, query, *args, **kwargs):
-        if kwargs.get("blockdiag_cp_step") is not None:
-            query_rows.append(query.shape[2])
-        return blockdiag_cp_attention_forward(module, query, *args, **kwargs)
-
-    AttentionInterface.register("blockdiag_cp", counting)
-    try:
-        with accelerate_env(rank, world_size) as out:
-            data = sft_dataset(kind)
-            trainer = quiet(BlockdiagCPSFTTrainer(
-                model=tiny_model(), args=sft_config(out, assistant_only_loss=kind == "conversation"),
-                train_dataset=data, eval_dataset=data,
-                processing_class=char_tokenizer(), cp_size=cp_size,
-            ))
-            metrics = trainer.evaluate()
-            predicted = trainer.predict(data) if predict else None
-    finally:
-        AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
+    with counting_attention() as query_rows, accelerate_env(rank, world_size) as out:
+        data = sft_dataset(kind)
+        trainer = quiet(BlockdiagCPSFTTrainer(
+            model=tiny_model(), args=sft_config(out, assistant_only_loss=kind == "conversation"),
+            train_dataset=data, eval_dataset=data, processing_class=char_tokenizer(), cp_size=cp_size,
+        ))
+        metrics = trainer.evaluate()
+        predicted = trainer.predict(data) if predict else None
     targets = None if predicted is None else (int((predicted.label_ids != -100).sum()), predicted.metrics["test_loss"])
     return metrics, sorted(set(query_rows)), targets
 

@@ -89,23 +89,9 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         self.packing = replace(self.packing, pad_token_id=self.data_collator.pad_token_id)
 
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
-        """TRL's prepared rows, one pack each, sharded for this rank (the mixin's hook for its training and eval data)."""
-        c, p = self.cp_coordinates, self.packing
-        return prepacked_dataloader(
-            dataset,
-            self.data_collator,
-            p.max_tokens,
-            dp_size=c.dp_size,
-            dp_rank=c.dp_rank,
-            cp_size=c.cp_size,
-            cp_rank=c.cp_rank,
-            pad_token_id=p.pad_token_id,
-            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            shuffle=shuffle,
-            drop_last=drop_last,
-            num_workers=self.args.dataloader_num_workers,
-            cp_config=self.cp_config,
-        )
+        """TRL's prepared rows, one pack each, sharded for this rank (the mixin's hook for training and eval data)."""
+        return prepacked_dataloader(dataset, self.data_collator, self.packing.max_tokens,
+                                    **self._loader_options(shuffle, drop_last))
 
     def _prepared(self, dataset, name: str):
         """A dataset passed to `evaluate` / `predict`, prepared as TRL prepares eval data at construction
