@@ -27,8 +27,8 @@ PAD = 0
 ROW = {"input_ids": [5, 6, 7, 8, 9, 10, 11], "labels": [-100, -100, 7, 8, 9, -100, 11], "seq_lengths": [4, 3]}
 
 
-def padding_free_collator():
-    return DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=True)
+def padding_free_collator(pad_to_multiple_of=None):
+    return DataCollatorForLanguageModeling(pad_token_id=PAD, padding_free=True, pad_to_multiple_of=pad_to_multiple_of)
 
 
 # --------------------------------------------------------------------------- configuration checks
@@ -77,8 +77,10 @@ def hand_built_pack(max_tokens: int) -> dict[str, torch.Tensor]:
     }
 
 
-def test_collator_keeps_trls_labels_and_documents():
-    full = SFTPackCollator(padding_free_collator(), 12, PAD)([ROW])
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 8])
+def test_collator_keeps_trls_labels_and_documents(pad_to_multiple_of):
+    """TRL's own padding to a multiple (one-token "documents" of position 0) gives way to the pack's."""
+    full = SFTPackCollator(padding_free_collator(pad_to_multiple_of), 12, PAD)([ROW])
     for key, want in hand_built_pack(12).items():
         assert torch.equal(full[key], want), (key, full[key], want)
 

@@ -10,6 +10,8 @@ which pads the pack to `max_length` and shards it for this CP rank.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...config import CPConfig
@@ -42,6 +44,8 @@ class SFTPackCollator:
 
     def __init__(self, trl_collator, max_tokens: int, pad_token_id: int, cp_size: int = 1,
                  cp_rank: int | None = None, cp_config: CPConfig | None = None):
+        if getattr(trl_collator, "pad_to_multiple_of", None) is not None:  # every pack is padded to max_tokens here
+            trl_collator = dataclasses.replace(trl_collator, pad_to_multiple_of=None)
         self.trl_collator = trl_collator
         self.packer = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, "reject", cp_config)
 
