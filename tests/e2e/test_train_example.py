@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from hf_blockdiag_cp.kernels import kernel_names
+from helpers.scripts import finish as _finish
+from helpers.scripts import free_port as _free_port
+from helpers.scripts import start as _start
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_packed.py"
@@ -39,22 +41,6 @@ def _example_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _start(cmd: list[str], log: Path) -> subprocess.Popen:
-    # One thread per process: CI shares 2 cores, and oversubscribed OpenMP threads spin (10x slower here).
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _finish(proc: subprocess.Popen, log: Path, what: str) -> None:
-    try:
-        rc = proc.wait(timeout=RUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{what} did not finish in {RUN_TIMEOUT}s; log tail:\n{log.read_text()[-3000:]}")
-    assert rc == 0, f"{what} exited with {rc}; log tail:\n{log.read_text()[-3000:]}"
 
 
 def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
@@ -116,12 +102,6 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, arch):
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _output_lines(run: subprocess.CompletedProcess) -> list[str]:

@@ -16,14 +16,11 @@ counts the split document in `eval_split_documents` and warns.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
-from transformers import PrinterCallback, ProgressCallback, Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
@@ -32,7 +29,8 @@ from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
-from helpers.trainer import tiny_model
+from helpers.trainer import accelerate_env, counting_attention, tiny_model, trainer_settings
+from helpers.trainer import quiet as _quiet
 
 MAX_TOKENS = 48
 STEPS = 3
@@ -50,53 +48,7 @@ def train_docs() -> list[dict]:
 
 
 def training_args(output_dir: str, accumulation: int, **overrides) -> TrainingArguments:
-    settings = dict(
-        output_dir=output_dir,
-        max_steps=STEPS,
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=accumulation,
-        optim="sgd",
-        learning_rate=0.5,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    settings.update(overrides)
-    return TrainingArguments(**settings)
-
-
-@contextlib.contextmanager
-def accelerate_env(rank: int, world_size: int):
-    """Make accelerate treat this pool worker as rank `rank` of a `world_size` CPU run; undo it afterwards."""
-    from accelerate.state import AcceleratorState
-
-    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    saved = {k: os.environ.get(k) for k in keys}
-    if world_size > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            yield out
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _quiet(trainer: Trainer) -> Trainer:
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
-    return trainer
+    return TrainingArguments(**{**trainer_settings(output_dir, accumulation, STEPS), **overrides})
 
 
 def _outcome(trainer: Trainer, initial: dict, output=None) -> dict:
@@ -325,27 +277,12 @@ def stock_eval_loss(docs: list[dict], piece: int | None = None) -> float:
 
 
 def eval_case(rank, world_size, group, cp_size):
-    from transformers import AttentionInterface
-
-    from hf_blockdiag_cp.attention import blockdiag_cp_attention_forward
-
-    query_rows = []
-
-    def counting(module, query, *args, **kwargs):
-        if kwargs.get("blockdiag_cp_step") is not None:
-            query_rows.append(query.shape[2])
-        return blockdiag_cp_attention_forward(module, query, *args, **kwargs)
-
-    AttentionInterface.register("blockdiag_cp", counting)
-    try:
-        with accelerate_env(rank, world_size) as out:
-            trainer = BlockdiagCPTrainer(
-                model=tiny_model(), args=training_args(out, 1), train_dataset=train_docs(), eval_dataset=eval_docs(),
-                cp_size=cp_size, max_tokens=MAX_TOKENS,
-            )
-            metrics = _quiet(trainer).evaluate()
-    finally:
-        AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
+    with counting_attention() as query_rows, accelerate_env(rank, world_size) as out:
+        trainer = BlockdiagCPTrainer(
+            model=tiny_model(), args=training_args(out, 1), train_dataset=train_docs(), eval_dataset=eval_docs(),
+            cp_size=cp_size, max_tokens=MAX_TOKENS,
+        )
+        metrics = _quiet(trainer).evaluate()
     return metrics, query_rows
 
 

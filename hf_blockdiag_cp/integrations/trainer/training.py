@@ -116,23 +116,25 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         return loader
 
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
-        c, p = self.cp_coordinates, self.packing
-        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return packed_dataloader(
-            dataset,
-            p.max_tokens,
+        """Packs of `dataset` for this rank, already sharded: the hook behind training and evaluation
+        data (the TRL trainer overrides it to take TRL's packs as they are)."""
+        p = self.packing
+        return packed_dataloader(dataset, p.max_tokens, buffer_size=p.buffer_size, oversize=p.oversize,
+                                 length_key=p.length_key, **self._loader_options(shuffle, drop_last))
+
+    def _loader_options(self, shuffle: bool, drop_last: bool) -> dict[str, Any]:
+        """What every packed loader of this rank shares: its dp x cp place, padding, seed, workers, CP config."""
+        c = self.cp_coordinates
+        return dict(
             dp_size=c.dp_size,
             dp_rank=c.dp_rank,
             cp_size=c.cp_size,
             cp_rank=c.cp_rank,
-            pad_token_id=p.pad_token_id,
-            seed=seed,
+            pad_token_id=self.packing.pad_token_id,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             shuffle=shuffle,
-            buffer_size=p.buffer_size,
-            num_workers=self.args.dataloader_num_workers,
-            oversize=p.oversize,
             drop_last=drop_last,
-            length_key=p.length_key,
+            num_workers=self.args.dataloader_num_workers,
             cp_config=self.cp_config,
         )
 

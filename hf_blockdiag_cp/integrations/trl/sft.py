@@ -1,0 +1,119 @@
+"""`BlockdiagCPSFTTrainer`: TRL's `SFTTrainer` on packed data under exact block-diagonal CP.
+
+TRL prepares the datasets as it always does: text and conversations are tokenized,
+pre-tokenized data is used as given, `labels` are -100 where TRL masks them (completion-only
+loss, assistant masks), and `SFTConfig(packing=True, max_length=N)` packs the documents with
+TRL's `packing_strategy` into rows of at most N tokens. `BlockdiagCPTrainerMixin` then does
+what it does for the Trainer (the same pack on the CP peers of a DP replica, one shard step per
+micro-batch, the loss normalised over the optimizer step, sharded evaluate / predict); only its
+`_packed_loader` is replaced, so that each of TRL's rows is one pack (`packs.py`).
+
+TRL 1.16 refuses packing under accelerate's CP ("Packing is not compatible with context
+parallelism (cp_size > 1)"), rightly: that CP knows one causal document per row. Here
+accelerate's CP stays off (the mixin refuses a `parallelism_config` with CP) and the CP group is
+the mixin's dp x cp mesh, so TRL's check never fires.
+
+The loss is the model's own, as in `BlockdiagCPTrainer`: TRL's `compute_loss` (its fused LM head,
+`loss_type="dft"`, the `entropy` / `mean_token_accuracy` / `num_tokens` metrics) is not used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+from ...config import CPConfig
+from ..trainer import BlockdiagCPTrainerMixin
+from .packs import prepacked_dataloader
+
+
+def check_sft_config(args, cp_size: int) -> None:
+    """Raise ValueError for an `SFTConfig` whose packs cannot run under block-diagonal CP (before any model work)."""
+    if not isinstance(args, SFTConfig):
+        raise ValueError(
+            f"args must be a trl.SFTConfig with packing=True and max_length set (the pack size); got {type(args).__name__}"
+        )
+    if not args.packing:
+        raise ValueError(
+            "SFTConfig.packing is False; expected True: every micro-batch is one of TRL's packs of max_length tokens"
+        )
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size <= 0:
+        raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
+    length = args.max_length
+    if isinstance(length, bool) or not isinstance(length, int) or length <= 0 or length % (2 * cp_size):
+        raise ValueError(
+            f"SFTConfig.max_length is {length!r}; expected a positive multiple of 2*cp_size = {2 * cp_size}: it is "
+            "the pack size, and every pack shards into 2*cp_size equal chunks"
+        )
+    if args.loss_type != "nll":
+        raise ValueError(
+            f"SFTConfig.loss_type is {args.loss_type!r}; expected 'nll': under block-diagonal CP the model computes "
+            "the token-weighted cross-entropy itself"
+        )
+
+
+class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
+    """`trl.SFTTrainer` whose packs train and evaluate sharded over a CP group, exactly per document.
+
+    Arguments: those of `SFTTrainer` (no `data_collator`: TRL's own builds every pack), plus
+      cp_size: ranks per CP group (1 = no CP); the world size must be a multiple.
+      cp_config: the `CPConfig` of every CP step (default: the process default, `configure_cp`).
+      cp_mesh: optional 1-D DeviceMesh or ProcessGroup of this rank's CP group (as in `BlockdiagCPTrainer`).
+    `args` must be an `SFTConfig` with `packing=True`, `max_length` a multiple of 2*cp_size (the pack
+    size), `per_device_train_batch_size=1` and `loss_type="nll"`. The model uses
+    `attn_implementation="blockdiag_cp"`; DDP or FSDP2 over the dp x cp ranks as the Trainer sets them up.
+    """
+
+    def __init__(self, *args, cp_size: int = 1, cp_config: CPConfig | None = None, cp_mesh=None, **kwargs):
+        sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        check_sft_config(sft_args, cp_size)
+        if kwargs.get("data_collator", args[2] if len(args) > 2 else None) is not None:
+            raise ValueError(
+                "data_collator must not be given to BlockdiagCPSFTTrainer: TRL's own collator reads its packs "
+                "(position_ids per document), and the trainer pads and shards them"
+            )
+        super().__init__(*args, cp_size=cp_size, max_tokens=sft_args.max_length, cp_mesh=cp_mesh,
+                         cp_config=cp_config, **kwargs)
+        if not isinstance(self.data_collator, DataCollatorForLanguageModeling):
+            raise ValueError(
+                f"SFTTrainer chose {type(self.data_collator).__name__}; expected DataCollatorForLanguageModeling "
+                "(text datasets): vision-language datasets are not supported by BlockdiagCPSFTTrainer"
+            )
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"the MoE router auxiliary loss is on (router_aux_loss_coef={self.router_aux_loss_coef}); expected "
+                "SFTConfig(router_aux_loss_coef=0.0): under CP each rank would add its shard's own auxiliary loss"
+            )
+        self.packing = replace(self.packing, pad_token_id=self.data_collator.pad_token_id)
+
+    def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
+        """TRL's prepared rows, one pack each, sharded for this rank (the mixin's hook for training and eval data)."""
+        return prepacked_dataloader(dataset, self.data_collator, self.packing.max_tokens,
+                                    **self._loader_options(shuffle, drop_last))
+
+    def _prepared(self, dataset, name: str):
+        """A dataset passed to `evaluate` / `predict`, prepared as TRL prepares eval data at construction
+        (tokenized, labels masked, packed unless `eval_packing=False`); the datasets prepared then pass as they are."""
+        own = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if dataset is None or isinstance(dataset, str) or any(dataset is d for d in own):
+            return dataset
+        self._reject_skip_prepare_without_labels({name: dataset}, self.data_collator)
+        if self._skip_prepare_dataset:
+            return dataset
+        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+        return self._prepare_dataset(dataset, self.processing_class, self.args, packing, self._formatting_func, name)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sharded evaluation (the mixin's): `{prefix}_loss` is the token-weighted loss over every eval target."""
+        if isinstance(eval_dataset, dict):  # prepare each part once, then evaluate it under its own prefix
+            metrics: dict[str, float] = {}
+            for name, part in eval_dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        return super().evaluate(self._prepared(eval_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """Sharded prediction (the mixin's) on `test_dataset` prepared like eval data: logits of every pack."""
+        return super().predict(self._prepared(test_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)

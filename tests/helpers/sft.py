@@ -1,0 +1,147 @@
+"""Data and reference of the TRL SFT tests: a character tokenizer built in-process (no downloads),
+pre-tokenized, text and prompt/completion datasets, and the stock model's token-weighted loss on
+every document alone (the reference the packed, CP-sharded SFT runs must equal)."""
+
+from __future__ import annotations
+
+import random
+import string
+
+import torch
+import torch.nn.functional as F
+
+from helpers.reference import VOCAB
+from helpers.trainer import tiny_model, trainer_settings
+
+SPECIALS = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2
+CHARS = string.ascii_lowercase + " .,?!'"
+CHAR_IDS = {c: i for i, c in enumerate(CHARS, start=len(SPECIALS))}
+EOS_ID = SPECIALS.index("<eos>")
+MAX_LENGTH = 256  # SFTConfig.max_length: the pack size
+STEPS = 3
+ACCUMULATION = 16  # micro-batches per optimizer step: more than the packs of an epoch
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "why", "not", "dogs", "run", "far", "and", "fast", "it's", "over")
+
+
+# Chat template with generation markers: TRL's assistant_only_loss masks everything outside them.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}"
+    "{% endgeneration %}{% else %}{{ m['content'] }} {% endif %}{% endfor %}"
+)
+
+
+def char_tokenizer():
+    """A character-level fast tokenizer (one token per character of CHARS), pad and eos as TRL needs them."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {**{t: i for i, t in enumerate(SPECIALS)}, **CHAR_IDS}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def encode(text: str) -> list[int]:
+    """The token ids of `text` without the tokenizer object: one id per character."""
+    return [CHAR_IDS[c] for c in text]
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + rng.choice(".?!")
+
+
+def token_documents() -> list[list[int]]:
+    """Pre-tokenized documents of heavy-tailed lengths (2 to 200 tokens)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [2, 7, 200, 31, 64, 5, 120, 18, 90, 3, 150, 44, 11, 77, 9, 25, 160, 60, 13, 38]
+    return [torch.randint(len(SPECIALS), VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def texts() -> list[str]:
+    rng = random.Random(7)
+    return [_sentence(rng, rng.randint(1, 30)) for _ in range(24)]
+
+
+def prompt_completions() -> list[tuple[str, str]]:
+    rng = random.Random(9)
+    return [(_sentence(rng, rng.randint(1, 12)) + " ", _sentence(rng, rng.randint(1, 10))) for _ in range(24)]
+
+
+def conversations() -> list[list[dict]]:
+    rng = random.Random(11)
+    chats = []
+    for _ in range(16):
+        turns = rng.randint(1, 3)
+        chats.append([{"role": role, "content": _sentence(rng, rng.randint(1, 8))}
+                      for _ in range(turns) for role in ("user", "assistant")])
+    return chats
+
+
+def sft_dataset(kind: str):
+    """The `datasets.Dataset` given to the trainer: `tokens` (input_ids), `text` or `prompt_completion`."""
+    from datasets import Dataset
+
+    if kind == "tokens":
+        return Dataset.from_dict({"input_ids": token_documents()})
+    if kind == "text":
+        return Dataset.from_dict({"text": texts()})
+    if kind == "prompt_completion":
+        pairs = prompt_completions()
+        return Dataset.from_dict({"prompt": [p for p, _ in pairs], "completion": [c for _, c in pairs]})
+    if kind == "conversation":
+        return Dataset.from_dict({"messages": conversations()})
+    raise ValueError(kind)
+
+
+def _conversation_tokens(chat: list[dict]) -> tuple[list[int], list[bool]]:
+    """CHAT_TEMPLATE rendered by hand: ids and, per token, whether it is an assistant token."""
+    ids, assistant = [], []
+    for message in chat:
+        if message["role"] == "assistant":
+            part, mine = encode(message["content"]) + [EOS_ID], True
+        else:
+            part, mine = encode(message["content"] + " "), False
+        ids += part
+        assistant += [mine] * len(part)
+    return ids, assistant
+
+
+def reference_documents(kind: str, masked: bool = True) -> list[tuple[list[int], list[int]]]:
+    """Per document: its token ids and the positions t whose token is a target (predicted from
+    the tokens before it). Unmasked: every t >= 1; `masked`: only completion / assistant tokens.
+    Text and completions get the eos TRL appends."""
+    docs: list[tuple[list[int], list[bool]]]
+    if kind == "tokens":
+        docs = [(ids, [True] * len(ids)) for ids in token_documents()]
+    elif kind == "text":
+        docs = [(encode(t) + [EOS_ID], [True] * (len(t) + 1)) for t in texts()]
+    elif kind == "prompt_completion":
+        docs = [(encode(p) + encode(c) + [EOS_ID], [False] * len(p) + [True] * (len(c) + 1))
+                for p, c in prompt_completions()]
+    else:
+        docs = [_conversation_tokens(chat) for chat in conversations()]
+    return [(ids, [t for t in range(1, len(ids)) if keep[t] or not masked]) for ids, keep in docs]
+
+
+def stock_loss(kind: str, masked: bool = True) -> tuple[float, int]:
+    """(token-weighted mean loss, target count) of the stock eager model (tiny_model's weights) on every document alone."""
+    model = tiny_model("eager").eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, targets in reference_documents(kind, masked):
+            tokens, where = torch.tensor(ids), torch.tensor(targets)
+            logits = model(input_ids=tokens[None]).logits[0].double()
+            total += float(F.cross_entropy(logits[where - 1], tokens[where], reduction="sum"))
+            count += len(targets)
+    return total / count, count
+
+
+def sft_config(output_dir: str, **overrides):
+    """The tests' SFTConfig: the Trainer tests' settings (plain SGD, no clipping), packs of MAX_LENGTH,
+    fp32 (SFTConfig's default bf16=True would autocast on the CPU), one optimizer step per epoch."""
+    from trl import SFTConfig
+
+    settings = {**trainer_settings(output_dir, ACCUMULATION, STEPS), "packing": True, "max_length": MAX_LENGTH,
+                "bf16": False}
+    return SFTConfig(**{**settings, **overrides})
