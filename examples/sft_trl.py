@@ -37,7 +37,7 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from hf_blockdiag_cp.kernels import canonical_kernel_name, kernel_names
-from train_packed import OneLineParser, check_launch, check_ranges, loaded, tiny_llama_config, write_outputs
+from train_packed import OneLineParser, check_launch, check_ranges, loaded, tiny_config, write_outputs
 from trainer_packed import run_metrics, training_arguments  # the Trainer example, same folder
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -112,7 +112,7 @@ def build_model_and_tokenizer(args):
     kwargs = dict(attn_implementation=bdcp.ATTN_IMPLEMENTATION, dtype=torch.float32)
     if args.model is None:
         tokenizer = char_tokenizer()
-        model = AutoModelForCausalLM.from_config(tiny_llama_config(len(tokenizer), args.max_length), **kwargs)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", len(tokenizer), args.max_length), **kwargs)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # the trainer applies model patches
