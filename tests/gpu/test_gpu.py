@@ -21,11 +21,11 @@ GPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 7}))
 
 
-def _config(backend: str) -> bdcp.CPConfig:
-    return bdcp.CPConfig(attn_backend=backend, kv_exchange="allgather")
+def _config(backend: str, exchange: str = "allgather") -> bdcp.CPConfig:
+    return bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange)
 
 
-def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES):
+def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES, exchange="allgather"):
     """Errors vs the fp32 unpacked reference: CP in bf16 and the stock model in bf16 (eager, per document)."""
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -39,7 +39,7 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
         stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
         loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
         model = model.cuda().to(torch.bfloat16)
-        loss_cp, grads_cp, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend))
+        loss_cp, grads_cp, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend, exchange))
         out[family] = bf16_errors((loss32, grads32), (loss_s, grads_s), (loss_cp, grads_cp))
     return out
 
@@ -74,6 +74,13 @@ def test_bf16_parity_cp1(gloo, backend, layout):
 @pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (2, "padding_rank"), (4, "span_all"), (4, "padding_rank")])
 def test_bf16_parity_gloo_on_gpu(gloo, backend, world_size, layout):
     assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout))
+
+
+@pytest.mark.parametrize("backend", ["varlen", "flex"])
+@pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (4, "padding_rank")])
+def test_bf16_parity_heads_exchange_on_gpu(gloo, backend, world_size, layout):
+    """The head-parallel exchange: the kernel over the whole pack for H/G heads (kv heads < G at G = 4)."""
+    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, exchange="heads"))
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -14,10 +14,6 @@ stock loss fails.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
 import pytest
 import torch
 from transformers import TrainerCallback, TrainingArguments
@@ -26,7 +22,7 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from helpers.packs import layout_lengths
 from helpers.reference import make_docs, mean_over_group, reference_loss_and_grads, rel_err
-from helpers.trainer import tiny_model
+from helpers.trainer import accelerate_env, tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -50,29 +46,6 @@ class _GradsBeforeStep(TrainerCallback):
                       for n, p in model.named_parameters()}
 
 
-@contextlib.contextmanager
-def _trainer_env(rank: int, world_size: int):
-    """Accelerate sees this pool worker as rank `rank` of `world_size`, every rank on GPU 0 (LOCAL_RANK 0,
-    so DDP's device_ids is [0]); a temporary output_dir; all undone afterwards."""
-    from accelerate.state import AcceleratorState
-
-    env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE=str(world_size))
-    saved = {k: os.environ.get(k) for k in env}
-    if world_size > 1:
-        os.environ.update(env)
-    AcceleratorState._reset_state(reset_partial_state=True)
-    try:
-        with tempfile.TemporaryDirectory() as out:
-            yield out
-    finally:
-        AcceleratorState._reset_state(reset_partial_state=True)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def liger_trainer_case(rank, world_size, group, layout, max_tokens):
     from transformers.models.llama import modeling_llama
 
@@ -84,7 +57,7 @@ def liger_trainer_case(rank, world_size, group, layout, max_tokens):
     stock_llama = dict(vars(modeling_llama))
     bdcp.configure_cp("dense")  # fp32 and exact, as in the fused-CE test: the loss is what differs
     try:
-        with _trainer_env(rank, world_size) as out:
+        with accelerate_env(rank, world_size, local_rank=0) as out:
             args = TrainingArguments(
                 output_dir=out, use_liger_kernel=True, max_steps=1, per_device_train_batch_size=1, optim="sgd",
                 learning_rate=0.5, max_grad_norm=0.0, report_to="none", save_strategy="no", disable_tqdm=True,

@@ -43,8 +43,9 @@ def trainer_settings(output_dir: str, accumulation: int, steps: int) -> dict:
 
 
 @contextlib.contextmanager
-def accelerate_env(rank: int, world_size: int):
+def accelerate_env(rank: int, world_size: int, local_rank: int | None = None):
     """Make accelerate treat this pool worker as rank `rank` of a `world_size` CPU run; undo it afterwards.
+    `local_rank` (default `rank`): the LOCAL_RANK accelerate sees; GPU tests put every rank on GPU 0.
 
     The Trainers run inside the shared gloo pool: accelerate's PartialState joins the already
     initialised process group when RANK/WORLD_SIZE/LOCAL_RANK are set and `use_cpu=True`.
@@ -55,7 +56,7 @@ def accelerate_env(rank: int, world_size: int):
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     saved = {k: os.environ.get(k) for k in keys}
     if world_size > 1:
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank if local_rank is None else local_rank),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     AcceleratorState._reset_state(reset_partial_state=True)
     try:
