@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..integrations.compile import compile_model
 from ..model_patches import apply_model_patches, patches_for
 from ..model_patches.gated_delta_kernels import stock_torch_kernels
 
@@ -94,6 +95,8 @@ def build_models(args) -> Models:
     for model in {id(stock): stock, id(ours): ours}.values():
         if args.checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.compile != "none":
+            compile_model(model, args.compile, backend=args.compile_backend)
     if args.stock_delta_rule == "torch":
         stock_kernels = functools.partial(stock_torch_kernels, stock)
     else:
