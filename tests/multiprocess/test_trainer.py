@@ -267,6 +267,7 @@ def compiled_case(rank, world_size, group, arg_overrides):
         output = _quiet(trainer).train()
         outcome = _outcome(trainer, initial, output)
         outcome["totals"] = totals.totals
+        outcome["eval"] = trainer.evaluate(eval_docs())  # sharded, through the compiled model
         outcome["compiled_bodies"] = sum(isinstance(getattr(layer, "_gradient_checkpointing_func", None), CompiledCheckpointBody)
                                          for layer in model.model.layers)
         outcome["wrapped"] = type(trainer.model_wrapped).__name__
@@ -278,9 +279,10 @@ def compiled_case(rank, world_size, group, arg_overrides):
     ids=["plain", "activation-checkpointing"],
 )
 def test_trainer_torch_compile_matches_stock_trainer(gloo, reference, arg_overrides):
-    """`torch_compile=True`: the compiled model trains exactly as the stock Trainer does, and no
-    step after the first compiles anything (every step has new packs); with activation
-    checkpointing, every decoder layer's body is compiled inside its checkpoint."""
+    """`torch_compile=True`: the compiled model trains exactly as the stock Trainer does, no step
+    after the first compiles anything (every step has new packs), and its sharded `evaluate` is the
+    trained stock model's per-document loss; with activation checkpointing, every decoder layer's
+    body is compiled inside its checkpoint."""
     results = gloo(2).run(compiled_case, timeout=300, arg_overrides=arg_overrides)
     layers = tiny_model().config.num_hidden_layers
     for rank, got in enumerate(results):
@@ -289,6 +291,8 @@ def test_trainer_torch_compile_matches_stock_trainer(gloo, reference, arg_overri
         first, *rest = got["totals"]
         assert first > 0 and rest == [first] * len(rest), f"rank {rank}: graphs compiled after the first step: {got['totals']}"
         assert got["compiled_bodies"] == (layers if arg_overrides else 0)
+        want = stock_eval_loss(eval_docs(), weights=got["weights"])
+        assert abs(got["eval"]["eval_loss"] - want) <= 1e-5 * want, f"rank {rank}: eval_loss {got['eval']['eval_loss']} vs {want}"
 
 
 # --------------------------------------------------------------------------- setup checks
@@ -355,9 +359,11 @@ def eval_docs() -> list[dict]:
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
 
 
-def stock_eval_loss(docs: list[dict]) -> float:
-    """The stock eager model (same initial weights) on every document unpacked: token-weighted mean loss."""
+def stock_eval_loss(docs: list[dict], weights: dict | None = None) -> float:
+    """The stock eager model (same initial weights, or `weights`) on every document unpacked: token-weighted mean loss."""
     model = tiny_model("eager").eval()
+    if weights is not None:
+        model.load_state_dict(weights)
     total, count = 0.0, 0
     with torch.no_grad():
         for doc in docs:

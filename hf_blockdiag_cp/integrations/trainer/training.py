@@ -33,8 +33,8 @@ from ...comm.mesh import DPCPCoordinates
 from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
-from ..compile import compile_checkpointed_layers
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
+from ..compile import compile_checkpointed_layers
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
