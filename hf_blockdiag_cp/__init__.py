@@ -5,15 +5,16 @@ sequences in unmodified Hugging Face Transformers models.
 holds the user's names; internals live in their subpackages, bottom up: `planning` (pure),
 `comm` (collectives), `kernels` (local attention), `step` (shard step and step object),
 `attention` (Transformers entry points), `model_patches` (per-family patches; the repository's
-top-level `model_patches/` folder), `data` (packing, sampler, collator) and
-`integrations` (transformers, accelerate, Trainer). The Trainer names are imported on first
-use: `transformers.Trainer` is heavy.
+top-level `model_patches/` folder), `data` (packing, sampler, collator) and `integrations`
+(transformers, accelerate, Trainer, torch.compile). The Trainer names are imported on first use:
+`transformers.Trainer` is heavy.
 """
 
 from .attention import cp_blockdiag_sdpa
 from .comm import DPCPCoordinates
 from .config import CPConfig, configure_cp, configure_cp_varlen
 from .data import BlockdiagCPCollator, PackedBatchSampler, packed_dataloader
+from .integrations.compile import compile_model
 from .integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from .integrations.transformers import ATTN_IMPLEMENTATION
 from .integrations.transformers import register as _register
@@ -59,6 +60,7 @@ __all__ = [
     "PackedBatchSampler",
     "UNSUPPORTED_MODEL_TYPES",
     "apply_model_patches",
+    "compile_model",
     "configure_cp",
     "configure_cp_varlen",
     "enable_checkpoint_offload",

@@ -181,6 +181,15 @@ def _docs(module, step, kwargs, rows: int, device) -> PackDocs:
     return step.cached(("gated_delta_docs", str(device)), lambda: docs_from_layout(step.layout, device))
 
 
+@torch.compiler.disable
+def _mix_documents(module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
+    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
+    pack's document list and the step stay out of compiled graphs (no recompile per pack)."""
+    docs = _docs(module, step, kwargs, rows, mixed.device)
+    group, world_size, rank = (None, 1, 0) if step is None else (step.group, step.world_size, step.rank)
+    return token_mixer(module, mixed, b, a, docs, group, world_size, rank)
+
+
 def packed_forward(self, hidden_states, *args, **kwargs):
     """GatedDeltaNet forward that keeps the documents of a packed row apart (see the module docstring)."""
     step = kwargs.get(STEP_KWARG) or active_step()
@@ -201,10 +210,8 @@ def packed_forward(self, hidden_states, *args, **kwargs):
     if mask is not None and mask.ndim == 2:
         hidden_states = (hidden_states * mask[:, :, None]).to(hidden_states.dtype)
     rows = hidden_states.shape[1]
-    docs = _docs(self, step, kwargs, rows, hidden_states.device)
     mixed, z, b, a = _project(self, hidden_states[0])
-    group, world_size, rank = (None, 1, 0) if step is None else (step.group, step.world_size, step.rank)
-    core = token_mixer(self, mixed, b, a, docs, group, world_size, rank)
+    core = _mix_documents(self, step, kwargs, rows, mixed, b, a)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(1, rows, -1))
 

@@ -53,6 +53,7 @@ def global_max_position(step: CPStep, position_ids: torch.Tensor) -> int:
     return step.cached(("global_max_position",), build)
 
 
+@torch.compiler.disable  # eager under torch.compile: the pack's maximum position is a per-step number
 def _global_rope_forward(self, x, position_ids, *args, **kwargs):
     decorated = type(self).forward  # wrapped by dynamic_rope_update: updates inv_freq from max(position_ids)
     step = active_step()

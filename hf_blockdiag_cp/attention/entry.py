@@ -227,13 +227,23 @@ def blockdiag_cp_attention_forward(
         if features.names:  # SDPA has no softcap (it raises) and no sinks (it would ignore them)
             return _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    check_model_support(step, module)
+    return step_attention(step, module, query, key, value, scaling, dropout, kwargs, features), None
+
+
+@torch.compiler.disable
+def step_attention(step: CPStep, module, query, key, value, scale, dropout, kwargs, features=AttentionFeatures()):
+    """One attention call of a CP step (checks, K/V exchange, kernel) -> [1,L,H,Dv]; `module` None: no model check.
+
+    Always eager, a graph break under `torch.compile` (docs/performance.md, "torch.compile"): the
+    step's plan, routes, caches and process group stay out of the compiled graphs and their guards,
+    so new packs never recompile, and the exchange's collectives and autograd functions run as written."""
+    if module is not None:
+        check_model_support(step, module)
     _check_call(step, query, key, value, dropout, kwargs)
-    out = blockdiag_attention(
-        step, query, key, value, scale=scaling, sliding_window=kwargs.get("sliding_window"), features=features,
-        layer=f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})",
+    layer = "cp_blockdiag_sdpa" if module is None else f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    return blockdiag_attention(
+        step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), features=features, layer=layer
     )
-    return out, None
 
 
 def _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features):
@@ -294,8 +304,4 @@ def cp_blockdiag_sdpa(
         )
     if attn_mask is not None:
         raise ValueError("cp_blockdiag_sdpa: pass either attn_mask or is_causal=True during a CP step, not both")
-    _check_call(step, query, key, value, dropout_p, kwargs)
-    out = blockdiag_attention(
-        step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), layer="cp_blockdiag_sdpa"
-    )
-    return out.transpose(1, 2)
+    return step_attention(step, None, query, key, value, scale, dropout_p, kwargs).transpose(1, 2)

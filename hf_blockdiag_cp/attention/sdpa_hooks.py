@@ -13,6 +13,11 @@ touching the model's code (usage and rules: docs/models.md, "cp = 1"):
 Exact or loud: while a pack is armed, every SDPA call inside a hooked forward runs per document
 or raises naming the module. A `TorchFunctionMode`, entered only while a hooked forward runs,
 catches the calls however SDPA was bound; each hooks object holds its own pack.
+
+Not under `torch.compile`: dynamo would trace the hooks, the mode and the pack into the graphs
+(one recompile per pack, thread ids as constants). An armed pack met while dynamo traces a hooked
+forward or one of its SDPA calls raises; compiled regions that hold no hooked module (e.g. the
+MLPs) are fine. Models on `attn_implementation="blockdiag_cp"` compile (`integrations.compile`).
 """
 
 from __future__ import annotations
@@ -70,6 +75,24 @@ def _plan(doc_ids: torch.Tensor, backend: str) -> tuple[str, Layout]:
     ids = doc_ids.reshape(-1).long().cpu()
     validate_document_ids(ids, "doc_ids")
     return canonical_kernel_name(backend), plan_layout(ids, 1)
+
+
+class _CompileRefusal:
+    """Called only while dynamo traces hooked code with a pack armed: `forbid_in_graph` makes dynamo
+    raise (a plain raise would only be a graph break, then the hook would run eagerly), naming this."""
+
+    def __repr__(self) -> str:
+        return (
+            "cp1 packed attention hooks (attach_cp1_packed_varlen_hooks) with a pack armed, inside a "
+            "torch.compile region: the hooks do not support torch.compile. Compile only modules without hooked "
+            "attention, or load the model with attn_implementation='blockdiag_cp', which compiles"
+        )
+
+    def __call__(self):
+        raise RuntimeError(repr(self))
+
+
+_REFUSE_UNDER_COMPILE = torch._dynamo.forbid_in_graph(_CompileRefusal())
 
 
 # --------------------------------------------------------------------------- one SDPA call
@@ -208,8 +231,13 @@ class Cp1PackedHooks:
 
     # ---- hooks
 
+    def _refuse_under_compile(self) -> None:
+        if self._state is not None and torch.compiler.is_compiling():
+            _REFUSE_UNDER_COMPILE()
+
     def _outer_forward(self, module, args) -> None:
         """Model forward: the pack armed for the previous forward (and its backward) is spent."""
+        self._refuse_under_compile()
         state = self._state
         if state is not None:
             if state.outer_forwards >= 1:
@@ -218,6 +246,7 @@ class Cp1PackedHooks:
                 state.outer_forwards += 1
 
     def _enter(self, module, args) -> None:
+        self._refuse_under_compile()
         frames = self._frames.get(threading.get_ident())
         if frames is None:
             if self._state is None:
@@ -251,6 +280,7 @@ class Cp1PackedHooks:
 
     def _sdpa(self, args, kwargs) -> torch.Tensor:
         """An SDPA call made inside a hooked forward (our mode is off the stack while this runs)."""
+        self._refuse_under_compile()
         frames = self._frames.get(threading.get_ident())
         state = self._state
         if state is None or not frames:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..integrations.compile import compile_model
 from ..integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from ..model_patches import apply_model_patches, patches_for
 from ..model_patches.gated_delta_kernels import stock_torch_kernels
@@ -100,6 +101,9 @@ def build_models(args) -> Models:
         enable_tiled_mlp(ours, args.tiled_mlp)
     if getattr(args, "offload_checkpoints", False):
         enable_checkpoint_offload(ours)
+    if args.compile != "none":  # after the memory helpers: the compiled body runs inside their checkpoint
+        for model in {id(stock): stock, id(ours): ours}.values():
+            compile_model(model, args.compile, backend=args.compile_backend)
     if args.stock_delta_rule == "torch":
         stock_kernels = functools.partial(stock_torch_kernels, stock)
     else:

@@ -170,14 +170,27 @@ class CheckpointOffload:
         if index:
             live[index - 1].prefetch()
 
-    def __call__(self, function, hidden_states, *args):
-        if not isinstance(hidden_states, torch.Tensor):
-            return checkpoint(function, hidden_states, *args, **self.checkpoint_kwargs)
+    @property
+    def keywords(self) -> dict:
+        """The checkpoint's keyword arguments (the Trainer's setup checks read `use_reentrant` here)."""
+        return dict(self.checkpoint_kwargs)
+
+    def __call__(self, function, *args):
+        """`checkpoint(function, *args)` with the first tensor of `args` (the layer's input) offloaded.
+        The first tensor, not the first argument: `compile_model`'s wrapper passes the layer's
+        function ahead of it."""
+        index = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)), None)
+        if index is None:
+            return checkpoint(function, *args, **self.checkpoint_kwargs)
+        hidden_states = args[index]
         entry = _OffloadedInput(hidden_states, self)
         self.entries.append(weakref.ref(entry))
         anchor = hidden_states.new_empty(0)  # lets checkpoint see the device (RNG state) without holding the input
-        out = checkpoint(lambda e, _anchor, *rest: function(e.get(), *rest), entry, anchor, *args,
-                         **self.checkpoint_kwargs)
+
+        def run(e, _anchor, *rest):
+            return function(*rest[:index], e.get(), *rest[index:])
+
+        out = checkpoint(run, entry, anchor, *args[:index], *args[index + 1:], **self.checkpoint_kwargs)
         entry.release()
         return out
 
@@ -194,7 +207,8 @@ def enable_checkpoint_offload(model: torch.nn.Module) -> int:
                          "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
     offload = None
     for layer in layers:
-        func = layer._gradient_checkpointing_func
+        outer = layer._gradient_checkpointing_func
+        func = getattr(outer, "checkpoint_func", outer)  # compile_model's wrapper keeps the function it wraps
         if isinstance(func, CheckpointOffload):
             continue
         keywords = dict(getattr(func, "keywords", None) or {})
@@ -202,5 +216,8 @@ def enable_checkpoint_offload(model: torch.nn.Module) -> int:
             raise ValueError(f"enable_checkpoint_offload: {type(layer).__name__} checkpoints with {func!r}; expected "
                              "torch.utils.checkpoint.checkpoint with use_reentrant=False")
         offload = offload or CheckpointOffload(keywords)
-        layer._gradient_checkpointing_func = offload
+        if outer is func:
+            layer._gradient_checkpointing_func = offload
+        else:
+            outer.checkpoint_func = offload
     return len(layers)

@@ -188,7 +188,8 @@ def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: 
     local_shifted = shifted[slots].unsqueeze(0).to(device)
     local = {"labels": local_shifted, "shift_labels": local_shifted, "loss_mask": local_shifted != IGNORE_INDEX,
              # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
-             "num_items_in_batch": max(global_targets, 1) / layout.cp_size}
+             # A 0-d tensor, as the Trainer passes it: a Python number would be a constant in compiled graphs.
+             "num_items_in_batch": torch.tensor(max(global_targets, 1) / layout.cp_size, dtype=torch.float32, device=device)}
     return local, global_targets
 
 

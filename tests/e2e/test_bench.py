@@ -40,6 +40,19 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
 
 
+def test_bench_model_compiled_cpu_smoke(tmp_path):
+    """`--compile layers`: ours and the baseline compiled alike (activation checkpointing on, the
+    default), something compiled for each, nothing after each method's first step."""
+    bench_main(["model", "--tiny", "--device", "cpu", "--layers", "2", "--methods", "blockdiag_cp/dense", "hf_sdpa",
+                "--seq-lens", "128", "--block-steps", "2", "--mean-doc-len", "32", "--dtype", "float32",
+                "--compile", "layers", "--compile-backend", "aot_eager", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "model.json").read_text())
+    assert result["args"]["compile"] == "layers"
+    for row in result["rows"]:
+        assert row["graphs_compiled"] > 0 and row["graphs_compiled_later"] == 0, row
+        assert row["tokens_per_s"] > 0
+
+
 def test_bench_model_hybrid_cpu_smoke(tmp_path):
     """`--arch qwen3_5`: ours on the patched copy, the stock baselines (packed, and the documents
     unpacked and padded) on the unpatched model, ratios of ours over each baseline."""

@@ -4,7 +4,8 @@ Exact: an armed packed forward + backward through hooked modules equals the inde
 reference, each document on its own (a float64 matmul-softmax per document, or the stock model
 run on every document unpacked), also for SDPA bound at import time, nested hooked modules,
 checkpoint recompute and an HF model on `sdpa`. Loud: an explicit mask, is_causal=False,
-dropout, a wrong shape, or a hooked forward with no SDPA call raises naming the module. Scoped:
+dropout, a wrong shape, a hooked forward with no SDPA call raises naming the module, and so does
+an armed pack inside a torch.compile region (modules compiled outside the hooks stay exact). Scoped:
 SDPA outside hooked forwards, or unarmed, is stock; F.scaled_dot_product_attention is never
 replaced; every hooks object holds its own pack.
 """
@@ -440,6 +441,39 @@ def test_hf_model_on_sdpa_with_gradient_checkpointing():
     enable_cp1_packed_varlen(document_ids_from_lengths(LENGTHS), model=model)
     logits = model(input_ids=torch.cat(docs)[None], use_cache=False).logits[0]
     loss = _doc_loss(logits.float(), docs)
+    loss.backward()
+    assert rel_err(loss, ref_loss) <= TOL
+    assert max(rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()) <= TOL
+
+
+@pytest.mark.parametrize("region", ["model", "layer", "attention"])
+def test_a_compiled_hooked_forward_raises(region):
+    """torch.compile is not supported through the hooks: an armed pack met while dynamo traces the
+    model, a decoder layer or the hooked attention raises (not a silent eager fallback)."""
+    torch._dynamo.reset()
+    _, model = build_models("llama")
+    model.set_attn_implementation("sdpa")
+    attach_cp1_packed_varlen_hooks(model)
+    compiled = {"model": model, "layer": model.model.layers[0], "attention": model.model.layers[0].self_attn}[region]
+    compiled.compile(backend="eager")
+    enable_cp1_packed_varlen(document_ids_from_lengths(LENGTHS), model=model)
+    with pytest.raises(AssertionError, match="hooks do not support torch.compile"):
+        model(input_ids=torch.cat(make_docs(LENGTHS))[None], use_cache=False)
+
+
+def test_compiled_modules_without_hooked_attention_stay_exact():
+    """Compiling only modules that hold no hooked attention (the MLPs) leaves the packed step exact."""
+    torch._dynamo.reset()
+    ref, _ = build_models("llama")
+    docs = make_docs(LENGTHS)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    model = copy.deepcopy(ref)
+    model.set_attn_implementation("sdpa")
+    attach_cp1_packed_varlen_hooks(model)
+    for layer in model.model.layers:
+        layer.mlp.compile(backend="aot_eager")
+    enable_cp1_packed_varlen(document_ids_from_lengths(LENGTHS), model=model)
+    loss = _doc_loss(model(input_ids=torch.cat(docs)[None], use_cache=False).logits[0].float(), docs)
     loss.backward()
     assert rel_err(loss, ref_loss) <= TOL
     assert max(rel_err(p.grad, ref_grads[n]) for n, p in model.named_parameters()) <= TOL

@@ -17,6 +17,8 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
   Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
   multiplication by the number of processes, which differ between Transformers versions.
 - `evaluate` / `predict`: sharded, from `ShardedEvaluationMixin` (evaluation.py).
+- `_wrap_model`: with `torch_compile`, the bodies of checkpointed layers compile inside their
+  checkpoint (`integrations.compile`); accelerate compiles the model as usual.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
+from ..compile import compile_checkpointed_layers
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
@@ -172,6 +175,15 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         self.cp_callback.record(tally[2:].tolist(), int(tally[1]))
         num_items = torch.tensor(float(max(int(tally[0]), 1)), device=device) if batches else None
         return batches, num_items
+
+    # ---------------------------------------------------------------- compile
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        """With `torch_compile`, checkpointed layers get their body compiled inside the checkpoint
+        (accelerate compiles the model next; a checkpoint around a graph break would stay eager)."""
+        if training and self.args.torch_compile:
+            compile_checkpointed_layers(self.model, **self.accelerator.state.dynamo_plugin.to_kwargs())
+        return super()._wrap_model(model, training, dataloader)
 
     # ---------------------------------------------------------------- step and loss
 
