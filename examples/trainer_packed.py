@@ -54,6 +54,16 @@ from train_packed import (  # the main job, same folder: its model, argument che
 )
 
 
+def checkpointing_arguments(enabled: bool) -> dict:
+    """Non-reentrant activation checkpointing as TrainingArguments spell it: `activation_checkpointing`
+    in recent Transformers, `gradient_checkpointing` before (e.g. 5.17)."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: a tiny Llama config, random init)")
@@ -135,8 +145,7 @@ def training_arguments(args, world_size: int, cp_size: int):
         adam_beta2=0.95,
         weight_decay=0.0,
         max_grad_norm=args.max_grad_norm,
-        activation_checkpointing=args.gradient_checkpointing,
-        activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None,
+        **checkpointing_arguments(args.gradient_checkpointing),
         dataloader_drop_last=True,
         dataloader_num_workers=args.num_workers,
         remove_unused_columns=False,

@@ -23,9 +23,9 @@ def _run(model, batch):
     """Loss, gradients and peak bytes allocated of one forward and backward at cp = 1."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, {k: v.cuda() for k, v in batch.items()})
     with train_ctx():
-        loss = model(**{k: v.cuda() for k, v in local.items()}).loss
+        loss = model(**local).loss
         loss.backward()
     torch.cuda.synchronize()
     grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}

@@ -2,7 +2,7 @@
 (skipped without CUDA, trl, flash-attn-4 or liger-kernel).
 
 Twenty optimizer steps of packed SFT (TRL's bfd packs of 256 tokens, pre-tokenized documents,
-bf16 weights, `attn_backend="fa4"`, `use_liger_kernel=True`) at cp = 1 and at G = 2 (gloo with
+bf16 weights, `attn_backend="fa4"`, Liger's fused cross-entropy by `enable_fused_cross_entropy`) at cp = 1 and at G = 2 (gloo with
 CUDA tensors on one GPU, every rank on GPU 0). The reference is TRL's stock `SFTTrainer` with the
 stock fp32 `sdpa` model on the same packs; the yardstick is the same stock trainer in bf16. Each
 step's loss of ours, at either cp, must be within 1.5x the stock bf16 run's worst deviation from
@@ -36,6 +36,7 @@ def sft_run_case(rank, world_size, group, ours: bool, dtype: str):
     from transformers.models.llama import modeling_llama
     from trl import SFTTrainer
 
+    from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer
 
     torch.cuda.set_device(0)
@@ -45,9 +46,10 @@ def sft_run_case(rank, world_size, group, ours: bool, dtype: str):
         with accelerate_env(rank, world_size, local_rank=0) as out:
             model = tiny_model("blockdiag_cp" if ours else "sdpa", **GPU_DIMS).to("cuda", getattr(torch, dtype))
             args = sft_config(out, use_cpu=False, max_steps=STEPS, gradient_accumulation_steps=1, learning_rate=0.05,
-                              use_liger_kernel=ours, ddp_backend="gloo" if world_size > 1 else None)
+                              ddp_backend="gloo" if world_size > 1 else None)
             data = sft_dataset("tokens")
             if ours:
+                assert enable_fused_cross_entropy(model), "Liger's fused cross-entropy was not installed"
                 trainer = BlockdiagCPSFTTrainer(model=model, args=args, train_dataset=data, processing_class=char_tokenizer(),
                                                 cp_size=world_size, cp_config=bdcp.CPConfig(attn_backend="fa4"),
                                                 cp_mesh=group if world_size > 1 else None)

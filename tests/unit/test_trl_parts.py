@@ -42,6 +42,7 @@ def padding_free_collator(pad_to_multiple_of=None):
         ({"max_length": 256}, 3, "SFTConfig.max_length is 256; expected a positive multiple of 2*cp_size = 6"),
         ({"max_length": None}, 1, "SFTConfig.max_length is None; expected a positive multiple of 2*cp_size = 2"),
         ({"loss_type": "dft"}, 2, "SFTConfig.loss_type is 'dft'; expected 'nll'"),
+        ({"use_liger_kernel": True}, 2, "SFTConfig.use_liger_kernel is True; expected False"),
         ({}, 0, "cp_size must be a positive integer; got 0"),
     ],
 )

@@ -82,7 +82,8 @@ class BlockdiagCPCallback(TrainerCallback):
         check_model_setup(model, world_size, self.cp_size, activation_checkpointing_kwargs)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self.check_setup(model, args.world_size, getattr(args, "activation_checkpointing_kwargs", None))
+        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+        self.check_setup(model, args.world_size, kwargs)
         self.meter = TokenMeter(world_size=args.world_size)
 
     def record(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:

@@ -47,6 +47,13 @@ def check_sft_config(args, cp_size: int) -> None:
             f"SFTConfig.max_length is {length!r}; expected a positive multiple of 2*cp_size = {2 * cp_size}: it is "
             "the pack size, and every pack shards into 2*cp_size equal chunks"
         )
+    if args.use_liger_kernel:
+        raise ValueError(
+            "SFTConfig.use_liger_kernel is True; expected False: TRL then computes its fused cross-entropy in "
+            "compute_loss, which this trainer does not run (the model computes the loss). For Liger's fused "
+            "cross-entropy call hf_blockdiag_cp.integrations.liger.enable_fused_cross_entropy(model) before "
+            "building the trainer (examples/sft_trl.py --fused-ce)"
+        )
     if args.loss_type != "nll":
         raise ValueError(
             f"SFTConfig.loss_type is {args.loss_type!r}; expected 'nll': under block-diagonal CP the model computes "
