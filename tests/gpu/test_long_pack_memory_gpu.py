@@ -1,7 +1,8 @@
 """The long-pack memory helpers on a GPU (integrations/memory.py): with activation checkpointing,
-host offload of layer inputs lowers the peak by about the layers' kept inputs and a tiled MLP by
-its intermediates, while the loss and gradients stay those of the plain run (offload is a bit
-copy, a tiled MLP reorders sums: either bf16 run is as close to the fp32 run as the plain bf16 run). Skipped without CUDA."""
+host offload frees the layers' inputs that checkpointing holds between forward and backward and
+lowers the peak, a tiled MLP lowers the peak by its intermediates, and either bf16 run stays as
+close to the fp32 run as the plain bf16 run (GPU backward kernels are not bitwise deterministic).
+Skipped without CUDA."""
 
 from __future__ import annotations
 
