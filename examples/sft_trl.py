@@ -38,7 +38,7 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from hf_blockdiag_cp.kernels import canonical_kernel_name, kernel_names
 from train_packed import OneLineParser, check_launch, check_ranges, loaded, tiny_config, write_outputs
-from trainer_packed import run_metrics, training_arguments  # the Trainer example, same folder
+from trainer_packed import add_schedule_arguments, run_metrics, training_arguments  # the Trainer example, same folder
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -51,14 +51,7 @@ def parse_args(argv=None):
                    "SFTTrainer takes (text, messages, prompt/completion, input_ids; default: generated sums)")
     p.add_argument("--examples", type=int, default=4000, help="generated prompt/completion examples (default dataset)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per pack: SFTConfig.max_length (a multiple of 2*cp)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
-    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    add_schedule_arguments(p)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, flash, te")
     p.add_argument("--fused-ce", action="store_true", help="Liger fused linear cross-entropy as the loss (CUDA with the "

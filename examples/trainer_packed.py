@@ -54,6 +54,18 @@ from train_packed import (  # the main job, same folder: its model, argument che
 )
 
 
+def add_schedule_arguments(p) -> None:
+    """The flags this script and sft_trl.py share: steps, packs per step, CP size, seed, optimizer, checkpointing."""
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
+    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+
+
 def checkpointing_arguments(enabled: bool) -> dict:
     """Non-reentrant activation checkpointing as TrainingArguments spell it: `activation_checkpointing`
     in recent Transformers, `gradient_checkpointing` before (e.g. 5.17)."""
@@ -70,14 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dataset", default=None, help="a datasets name or local data file(s) with `input_ids` or `text` "
                    "(text becomes byte tokens; default: the embedded stdlib corpus)")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens per pack (a multiple of 2*cp)")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
-    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
-    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
-    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
+    add_schedule_arguments(p)
     add_cp_config_arguments(p)
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
     p.add_argument("--eval", action="store_true", help="hold out the last --eval-docs documents; after training print "
