@@ -36,8 +36,18 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from hf_blockdiag_cp.kernels import canonical_kernel_name, kernel_names
-from train_packed import OneLineParser, check_launch, check_ranges, loaded, tiny_config, write_outputs
+from train_packed import (  # the main job, same folder: its argument checks, model and outputs
+    OneLineParser,
+    add_cp_config_arguments,
+    check_launch,
+    check_ranges,
+    config_error,
+    cp_config,
+    layout_error,
+    loaded,
+    tiny_config,
+    write_outputs,
+)
 from trainer_packed import add_schedule_arguments, run_metrics, training_arguments  # the Trainer example, same folder
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -53,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--max-length", type=int, default=512, help="tokens per pack: SFTConfig.max_length (a multiple of 2*cp)")
     add_schedule_arguments(p)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
-    p.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, flash, te")
+    add_cp_config_arguments(p)
     p.add_argument("--fused-ce", action="store_true", help="Liger fused linear cross-entropy as the loss (CUDA with the "
                    "[liger] extra, else the stock loss stays and says so)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (padding and sharding run there)")
@@ -68,19 +78,8 @@ def parse_args(argv=None):
 
 
 def argument_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes (dp x cp), or None."""
-    cp = world_size if args.cp_size is None else args.cp_size
-    if cp <= 0 or world_size % cp:
-        return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
-    if args.packs_per_step % (world_size // cp):
-        return f"--packs-per-step={args.packs_per_step} must be divisible by dp={world_size // cp}"
-    if args.max_length % (2 * cp):
-        return f"--max-length={args.max_length} must be a multiple of 2*cp={2 * cp}"
-    try:
-        canonical_kernel_name(args.attn_backend)
-    except ValueError:
-        return f"--attn-backend={args.attn_backend!r} is not a kernel; accepted: auto, {', '.join(kernel_names())}"
-    return None
+    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
+    return layout_error(args, world_size, pack_flag="max_length") or config_error(args)
 
 
 # --------------------------------------------------------------------------- tokenizer, model, data
@@ -166,7 +165,7 @@ def main(argv=None) -> int:
         eval_dataset=eval_data,
         processing_class=tokenizer,
         cp_size=cp_size,
-        cp_config=bdcp.CPConfig(attn_backend=args.attn_backend),
+        cp_config=cp_config(args),
     )
     trainer.train()
     metrics = run_metrics(trainer, world_size, cp_size)

@@ -153,16 +153,17 @@ def check_ranges(parser, args, positive=(), non_negative=()) -> None:
                 parser.error(f"--{name.replace('_', '-')} must be {expected}; got {getattr(args, name)}")
 
 
-def layout_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes (dp x cp), or None."""
+def layout_error(args, world_size: int, pack_flag: str = "max_tokens") -> str | None:
+    """Why `args` cannot run on `world_size` processes (dp x cp), or None; `pack_flag`: the pack-size flag."""
     cp = world_size if args.cp_size is None else args.cp_size
     if cp <= 0 or world_size % cp:
         return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
     dp = world_size // cp
     if args.packs_per_step % dp:
         return f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp} (processes {world_size} / cp {cp})"
-    if args.max_tokens % (2 * cp):
-        return f"--max-tokens={args.max_tokens} must be a multiple of 2*cp={2 * cp}"
+    pack = getattr(args, pack_flag)
+    if pack % (2 * cp):
+        return f"--{pack_flag.replace('_', '-')}={pack} must be a multiple of 2*cp={2 * cp}"
     return None
 
 

@@ -101,17 +101,17 @@ def blockdiag_attention(
     scale: float | None,
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
-    layer: str = "an attention layer",
+    module=None,
 ):
     """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]:
     the step's K/V exchange, then the local kernel over the rows it returned; or the step's
-    head-parallel exchange around the kernel. `layer` names the call in errors."""
+    head-parallel exchange around the kernel. `module` (the attention module, or None) names the call in errors."""
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
     q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
     record = get_exchange(step.kv_exchange)
     if record.head_parallel:
-        out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, layer=layer)
+        out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, module=module)
     else:
         ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
         out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
@@ -119,7 +119,7 @@ def blockdiag_attention(
     return out.unsqueeze(0)
 
 
-def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, layer: str):
+def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, module=None):
     """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv] by the head-parallel `record`: its transport around the
     local kernel, which runs with the step's plan (the whole pack) on this rank's heads.
 
@@ -129,7 +129,7 @@ def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_win
     reason = record.heads_reason(heads, kv_heads, step.world_size)
     if reason is not None:
         raise ValueError(
-            f"blockdiag_cp: {layer} has {heads} query heads and {kv_heads} kv heads; kv_exchange={record.name!r} "
+            f"blockdiag_cp: {_layer_name(module)} has {heads} query heads and {kv_heads} kv heads; kv_exchange={record.name!r} "
             f"cannot split them over the CP size G={step.world_size}: {reason}. Choose a CP size that divides "
             f"{heads}, or another kv_exchange"
         )
@@ -140,6 +140,11 @@ def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_win
         )
 
     return record.transport(q, k, v, attend, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
+
+
+def _layer_name(module) -> str:
+    """How errors name an attention call: its module and layer index, or an SDPA call (the drop-in, the hooks)."""
+    return "an SDPA call (cp_blockdiag_sdpa)" if module is None else f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
 
 
 def needed_keys(plan, rows_k, rows_v):
@@ -240,9 +245,8 @@ def step_attention(step: CPStep, module, query, key, value, scale, dropout, kwar
     if module is not None:
         check_model_support(step, module)
     _check_call(step, query, key, value, dropout, kwargs)
-    layer = "cp_blockdiag_sdpa" if module is None else f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
     return blockdiag_attention(
-        step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), features=features, layer=layer
+        step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), features=features, module=module
     )
 
 
