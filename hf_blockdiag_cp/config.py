@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .comm import exchanges as _exchanges  # noqa: F401  (registers the exchange records)
 from .kernels import canonical_kernel_name
-from .planning import DEFAULT_TOLERANCE, KernelCost, canonical_exchange_name, layout_strategies
+from .planning import DEFAULT_TOLERANCE, KernelCost, canonical_exchange_name, exchange_records, get_exchange, layout_strategies
 
 
 def normalize_backend(name: str) -> str:
@@ -43,6 +43,11 @@ class CPConfig:
       balanced layout's target max/mean predicted cost - 1; `kernel_cost` the cost model it
       balances (None: the configured kernel's calibrated `KernelRecord.cost` when the kernel is
       named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
+    overlap: run the attention of the queries whose keys are all on their own rank while the K/V
+      exchange is in flight, and the rest after it; in backward, the reverse collective runs under
+      the first part's backward (`planning.overlap`). Exact like the plain order; it applies to
+      exchanges that can overlap (`allgather`), so a named exchange that cannot is refused, and
+      under `auto` a step that chose another exchange runs it in order.
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -53,6 +58,7 @@ class CPConfig:
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
     kernel_cost: KernelCost | None = None
+    overlap: bool = False
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -65,6 +71,14 @@ class CPConfig:
             raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
         if not isinstance(self.allow_cross_node_a2a, bool):
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be True or False; got {self.overlap!r}")
+        if self.overlap and self.kv_exchange != "auto" and get_exchange(self.kv_exchange).begin is None:
+            able = [r.name for r in exchange_records() if r.begin is not None]
+            raise ValueError(
+                f"overlap=True needs a kv_exchange that can overlap attention ({', '.join(able)} or auto); "
+                f"got kv_exchange={self.kv_exchange!r}"
+            )
         if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
             raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
@@ -89,6 +103,7 @@ def configure_cp(
     layout: str = "contiguous",
     balance_tolerance: float = DEFAULT_TOLERANCE,
     kernel_cost: KernelCost | None = None,
+    overlap: bool = False,
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.
@@ -97,7 +112,7 @@ def configure_cp(
     Calling it with no arguments restores the defaults.
     """
     global _DEFAULT
-    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost)
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost, overlap)
     return _DEFAULT
 
 

@@ -1,7 +1,8 @@
 """Attention entry points: the Transformers attention function and an SDPA drop-in.
 
 During a CP step every causal softmax-attention call runs: K/V exchange over the CP group,
-then the local kernel over this rank's queries and the keys they need; or, with a head-parallel
+then the local kernel over this rank's queries and the keys they need (with `CPConfig.overlap`,
+the queries whose keys are all local attend while the exchange runs); or, with a head-parallel
 exchange (`heads`), q, k, v to head shards, the kernel over the whole pack for this rank's heads,
 and the outputs back. Outside a step both entry points are exactly Transformers' `sdpa` /
 `F.scaled_dot_product_attention` (I8).
@@ -19,7 +20,7 @@ from ..comm.exchange import exchange_kv
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
 from ..planning import get_exchange
-from ..step.state import STEP_KWARG, CPStep, active_step
+from ..step.state import STEP_KWARG, CPStep, StepPart, active_step
 from .model_check import check_model_support
 
 # Keyword arguments a model may send that change the attention function and that no kernel
@@ -112,11 +113,35 @@ def blockdiag_attention(
     record = get_exchange(step.kv_exchange)
     if record.head_parallel:
         out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, module=module)
+    elif step.overlap is not None:
+        out = overlapped_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features)
     else:
         ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
         out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
     step.attention_calls += 1
     return out.unsqueeze(0)
+
+
+def overlapped_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features):
+    """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv], the exchange overlapped with attention (`step.overlap`):
+    the queries whose keys are all local attend over this rank's own K/V while the exchange is in
+    flight, the others over its rows once it arrived. Each query is computed whole in one part, so
+    putting the parts back in order is exact; in backward the reverse collective runs under the
+    local part's backward (the record's `begin`)."""
+    split = step.overlap
+    pending = record.begin(k, v, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
+    if split.local is not None:
+        local_out = local_attention(step, split.local.take(q), k, v, scale=scale, sliding_window=sliding_window,
+                                    features=features, part=split.local)
+        step.overlapped_queries += local_out.shape[0]
+    else:
+        local_out = q.new_zeros((0, q.shape[1], v.shape[-1]))
+    exchanged_k, exchanged_v, local_out = pending.wait(local_out)
+    if split.remote is None:
+        return local_out
+    remote_out = local_attention(step, split.remote.take(q), exchanged_k, exchanged_v, scale=scale,
+                                 sliding_window=sliding_window, features=features, part=split.remote)
+    return split.merge(local_out, remote_out)
 
 
 def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, module=None):
@@ -193,8 +218,10 @@ def local_attention(
     scale: float | None,
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
+    part: StepPart | None = None,
 ):
-    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv]."""
+    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv];
+    with `part`, that part's queries against its rows (`overlapped_attention`)."""
     head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
     # The kernel is chosen per layer kind: a softcapped or sink layer may need another kernel.
     names = features.names
@@ -202,13 +229,14 @@ def local_attention(
         ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names),
         lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names),
     )
+    target = step if part is None else part
     if kernel.takes_all_rows:
         k, v = exchanged_k, exchanged_v
     else:
-        k, v = needed_keys(step.plan, exchanged_k, exchanged_v)
+        k, v = needed_keys(target.plan, exchanged_k, exchanged_v)
     if scale is None:
         scale = head_dim_k**-0.5
-    return kernel.fn(q, k, v, step, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
+    return kernel.fn(q, k, v, target, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
 
 
 def blockdiag_cp_attention_forward(

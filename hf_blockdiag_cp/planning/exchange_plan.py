@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .layout import Layout
-from .rank_plan import RankPlan, plan_rank
+from .rank_plan import RankPlan, offsets, plan_rank
 from .segments import expand, intersect, interval_size, ranges, run_bounds
 
 
@@ -237,7 +237,6 @@ def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
         raise AssertionError(f"rank {rank}: the exchange plan fetches keys that no local query run uses")
     identity = index.numel() == rows.numel() and bool((index == torch.arange(rows.numel())).all())
     k_pos = rows[index]
-    zero = torch.zeros(1, dtype=torch.long)
     return RankPlan(
         rank=rank,
         q_positions=base.q_positions,
@@ -246,7 +245,7 @@ def needed_rank_plan(layout: Layout, plan: ExchangePlan, rank: int) -> RankPlan:
         k_positions=k_pos,
         k_segments=seg.segment_ids[k_pos],
         cu_seqlens_q=base.cu_seqlens_q,
-        cu_seqlens_k=torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32),
+        cu_seqlens_k=offsets(k_lens),
         max_seqlen_q=base.max_seqlen_q,
         max_seqlen_k=int(k_lens.max()),
     )

@@ -57,6 +57,11 @@ class ExchangeRecord:
       not K/V rows (`AttentionShape`; None: a K/V row, `shape.kv_row_bytes`).
     unsupported_reason(exchange_plan) -> str | None: why the exchange cannot serve a layout (None:
       any layout). An explicit request it cannot serve runs `fallback` (None: raise).
+    begin(k, v, group, world_size, routes, meter) -> pending: the transport started without waiting
+      (None: the exchange cannot overlap); `pending.wait(out)` returns `(k_rows, v_rows, out)`,
+      the rows `transport` returns and `out` (the attention computed meanwhile) unchanged. Its
+      backward starts the reverse collective once the rows' and `out`'s gradients are in, and
+      waits for it only after `out`'s own backward ran (`CPConfig.overlap`, `planning.overlap`).
     needs_plan: whether `plan` reads the `ExchangePlan` (False: a step asked for this exchange by
       name skips planning the needed keys; such an exchange serves every layout).
     needs_single_node: `auto` skips it on a CP group over several nodes unless
@@ -79,6 +84,7 @@ class ExchangeRecord:
     head_parallel: bool = False
     unsupported_heads: Callable[[int, int, int], str | None] | None = None
     row_bytes: Callable[[AttentionShape, int], int] | None = None
+    begin: Callable[..., object] | None = None
 
     def __post_init__(self):
         if not self.needs_plan and self.unsupported_reason is not None:
@@ -90,6 +96,8 @@ class ExchangeRecord:
                 f"exchange {self.name!r}: `auto` compares K/V rows before any layer's heads are known, so a record "
                 "whose rows are not K/V rows (row_bytes) needs auto_priority=None"
             )
+        if self.head_parallel and self.begin is not None:
+            raise ValueError(f"exchange {self.name!r}: `begin` overlaps K/V rows with attention; a head-parallel record has none")
         if self.head_parallel and (self.unsupported_heads is None or self.row_bytes is None):
             raise ValueError(f"exchange {self.name!r}: a head-parallel record needs unsupported_heads and row_bytes")
 

@@ -53,24 +53,30 @@ def plan_rank(layout: Layout, rank: int) -> RankPlan:
     key_end = q_pos[run_last] + 1
     k_lens = key_end - key_begin
     k_pos = ranges(key_begin, k_lens)  # pack positions of every needed key, segment by segment
-    rows = layout.slot_of_position[k_pos]
-    if rows.numel() and bool((rows[1:] == rows[:-1] + 1).all()):
-        key_rows: tuple[int, int] | torch.Tensor = (int(rows[0]), int(rows[-1]) + 1)
-    else:
-        key_rows = rows
-    zero = torch.zeros(1, dtype=torch.long)
     return RankPlan(
         rank=rank,
         q_positions=q_pos,
         q_segments=q_seg,
-        key_rows=key_rows,
+        key_rows=range_or_index(layout.slot_of_position[k_pos]),
         k_positions=k_pos,
         k_segments=seg.segment_ids[k_pos],
-        cu_seqlens_q=torch.cat([zero, torch.cumsum(q_lens, 0)]).to(torch.int32),
-        cu_seqlens_k=torch.cat([zero, torch.cumsum(k_lens, 0)]).to(torch.int32),
+        cu_seqlens_q=offsets(q_lens),
+        cu_seqlens_k=offsets(k_lens),
         max_seqlen_q=int(q_lens.max()),
         max_seqlen_k=int(k_lens.max()),
     )
+
+
+def range_or_index(rows: torch.Tensor) -> tuple[int, int] | torch.Tensor:
+    """`rows` as a `(start, stop)` range when they are consecutive and not empty (no gather needed), else as they are."""
+    if rows.numel() and bool((rows[1:] == rows[:-1] + 1).all()):
+        return int(rows[0]), int(rows[-1]) + 1
+    return rows
+
+
+def offsets(lengths: torch.Tensor) -> torch.Tensor:
+    """Varlen offsets `[0, l0, l0+l1, ...]` (int32) of run `lengths`."""
+    return torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths.long(), 0)]).to(torch.int32)
 
 
 def key_row_levels(key_rows: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

@@ -25,10 +25,11 @@ from ..planning import (
     choose_exchange,
     get_exchange,
     plan_exchange,
+    plan_overlap,
     validate_rank_plan,
 )
 from .shard import SHARD_KEY, PackFingerprint, shard_batch
-from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan
+from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
 
 
 def build_step(
@@ -39,6 +40,7 @@ def build_step(
     attn_backend: str,
     kv_exchange: str,
     exchange_plan: ExchangePlan | None = None,
+    overlap: bool = False,
 ) -> CPStep:
     """The step object of rank `rank` for `layout`: its attention plan over the rows the exchange
     returns (validated on the host, then moved to `device` once) and the exchange's routes. For a
@@ -46,7 +48,9 @@ def build_step(
 
     `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the registered exchange
     this step runs (as agreed by the group); `exchange_plan` is planned here if the exchange
-    needs one and none is given. Pure but for the device copies.
+    needs one and none is given. With `overlap`, when the exchange can overlap (`begin`) and the
+    group has two or more ranks, the queries are split for it (`planning.plan_overlap`). Pure but
+    for the device copies.
     """
     record = get_exchange(kv_exchange)
     if record.needs_plan and exchange_plan is None:
@@ -55,6 +59,12 @@ def build_step(
     rank_plan, rows = mine.rank_plan, mine.row_positions
     # Host check of the varlen metadata before anything reaches a kernel (a bad offset there is an illegal access).
     validate_rank_plan(rank_plan, record.plan_queries(layout), rank_plan.num_keys, num_rows=rows.numel())
+    split = None
+    if overlap and record.begin is not None and layout.cp_size > 1:
+        split = plan_overlap(layout, rank, rank_plan, rows)
+        for part in (split.local, split.remote):
+            if part is not None:
+                validate_rank_plan(part.plan, part.num_queries, part.plan.num_keys, num_rows=part.row_positions.numel())
     boundaries = layout.segments.boundaries
     return CPStep(
         group=group,
@@ -70,6 +80,7 @@ def build_step(
         model_state=BlockdiagCpModelState(group, boundaries.to(device), boundaries, rank, layout),
         exchange_plan=exchange_plan,
         kv_routes=None if mine.routes is None else mine.routes.to(device),
+        overlap=None if split is None else StepOverlap.from_plan(split, layout, device),
     )
 
 
@@ -158,7 +169,8 @@ def make_cp_blockdiag_batch_and_ctx(
         # Built (and its plan validated) before the consensus: a bad plan on one rank makes every
         # rank raise below instead of leaving peers in the first exchange (I5).
         step = build_step(
-            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan
+            info.layout, cp.rank, cp.group, local["position_ids"].device, config.attn_backend, exchange, exchange_plan,
+            overlap=config.overlap,
         )
     except Exception as exc:  # any rank's failure reaches its peers through the consensus below (I5)
         error = exc
@@ -185,7 +197,8 @@ def make_cp_blockdiag_batch_and_ctx(
     if step.attn_backend != "auto":
         prepare = get_kernel(step.attn_backend).prepare
         if prepare is not None:
-            prepare(step)  # per-step kernel state (e.g. the flex block mask) before the first layer (I4)
+            for target in step.kernel_targets:
+                prepare(target)  # per-step kernel state (e.g. the flex block mask) before the first layer (I4)
     step.requested_kv_exchange, step.model = config.kv_exchange, model
     local[STEP_KWARG] = step
     return step.activate, local, layout

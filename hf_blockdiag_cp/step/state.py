@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..comm.exchange import ExchangeMeter
-from ..planning import ExchangePlan, Layout, RankPlan, key_row_levels
+from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
 
 STEP_KWARG = "blockdiag_cp_step"
 ATTN_IMPLEMENTATION = "blockdiag_cp"  # the attention implementation that runs a step (registered by integrations)
@@ -149,6 +149,75 @@ class DevicePlan:
         )
 
 
+def cached(cache: dict, key, build):
+    """`cache[key]`, built by `build()` the first time (per-step state: masks, kernel choices)."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+    return value
+
+
+@dataclass(eq=False)
+class StepPart:
+    """One part of a rank's queries on the device (`planning.overlap.QueryPart`): the local query rows
+    it holds and its own plan and caches, which is all a kernel reads of a step (`plan`, `cached`)."""
+
+    queries: tuple[int, int] | torch.Tensor
+    plan: DevicePlan
+    mask_cache: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def from_part(part: QueryPart, layout: Layout, device: torch.device) -> "StepPart":
+        seg, queries = layout.segments, part.queries
+        return StepPart(
+            queries if isinstance(queries, tuple) else queries.to(device, non_blocking=True),
+            DevicePlan.from_rank_plan(
+                part.plan, device, part.row_positions, seg.segment_ids[part.row_positions],
+                seg.segment_starts[part.plan.q_positions],
+            ),
+        )
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """This part's rows of `x` `[L, ...]`."""
+        if isinstance(self.queries, tuple):
+            start, stop = self.queries
+            return x.narrow(0, start, stop - start)
+        return x.index_select(0, self.queries)
+
+    def cached(self, key, build):
+        return cached(self.mask_cache, key, build)
+
+
+@dataclass(frozen=True)
+class StepOverlap:
+    """A rank's queries split for overlap (`planning.overlap.OverlapPlan`), on the device: the `local`
+    part attends while the exchange runs, the `remote` part after it; `merge` restores query order."""
+
+    local: StepPart | None
+    remote: StepPart | None
+    merge_index: torch.Tensor | None
+    remote_first: bool
+
+    @staticmethod
+    def from_plan(plan: OverlapPlan, layout: Layout, device: torch.device) -> "StepOverlap":
+        def part(p):
+            return None if p is None else StepPart.from_part(p, layout, device)
+
+        index = None if plan.merge_index is None else plan.merge_index.to(device, non_blocking=True)
+        return StepOverlap(part(plan.local), part(plan.remote), index, plan.remote_first)
+
+    @property
+    def parts(self) -> tuple[StepPart, ...]:
+        return tuple(p for p in (self.local, self.remote) if p is not None)
+
+    def merge(self, local_out: torch.Tensor, remote_out: torch.Tensor) -> torch.Tensor:
+        """The parts' outputs `[n, H, Dv]` as one `[L, H, Dv]` in query order."""
+        if self.remote_first:
+            return torch.cat([remote_out, local_out])
+        out = torch.cat([local_out, remote_out])
+        return out if self.merge_index is None else out.index_select(0, self.merge_index)
+
+
 def _range_offset(positions: torch.Tensor) -> int | None:
     """a if positions == [a, a+1, ..., a+n-1], else None (host tensor, once per step)."""
     if positions.numel() == 0:
@@ -177,6 +246,8 @@ class CPStep:
     exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
     requested_kv_exchange: str | None = None  # the configured kv_exchange ("auto" or a name)
     model: Any = field(default=None, repr=False)  # the model the user named (error messages only)
+    overlap: StepOverlap | None = None  # the query split when the exchange overlaps attention (CPConfig.overlap)
+    overlapped_queries: int = 0  # query rows attended while an exchange was in flight, this step (recompute included)
 
     @contextlib.contextmanager
     def activate(self):
@@ -213,11 +284,12 @@ class CPStep:
 
     def cached(self, key, build):
         """Per-step cache (block masks, dense masks): built at the first layer, reused by every other and by recompute."""
-        value = self.mask_cache.get(key)
-        if value is None:
-            value = build()
-            self.mask_cache[key] = value
-        return value
+        return cached(self.mask_cache, key, build)
+
+    @property
+    def kernel_targets(self) -> tuple[Any, ...]:
+        """What the kernels run on: the step itself, or the parts of its queries under overlap."""
+        return (self,) if self.overlap is None else self.overlap.parts
 
 
 def attn_implementation(model) -> Any:

@@ -1,0 +1,113 @@
+"""Overlap plan: which of a rank's queries can attend while its K/V exchange is in flight.
+
+A query run (consecutive local queries of one segment, `plan_rank`) whose keys all lie on the
+rank itself needs nothing from the exchange: its attention can run before the exchange has
+delivered. `plan_overlap` splits a rank's plan into that *local* part and the *remote* rest,
+each a `RankPlan` of its own over a subset of the query runs:
+
+- local: key rows index the rank's own L rows (its shard of K and V, as the model computed them);
+- remote: key rows index the rows the exchange returns, as in the full plan.
+
+Each query keeps all its keys inside one part, so each part's kernel computes complete
+softmax rows and the parts' outputs are simply put back in query order: exact by construction,
+for every kernel, with no log-sum-exp merge. The gain is the local part's share of the work
+(most of a rank's documents in a contiguous or balanced layout; none on a rank whose every
+query continues a document begun on another rank). Pure: CPU integer tensors only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import Layout
+from .rank_plan import RankPlan, offsets, range_or_index
+from .segments import ranges
+
+
+@dataclass(frozen=True)
+class QueryPart:
+    """One part of a rank's queries: which local query rows (`queries`, a range or an index, in
+    increasing order), their attention plan (`plan`, key rows into `row_positions`), and the pack
+    position of every row its kernel receives (`row_positions`)."""
+
+    queries: tuple[int, int] | torch.Tensor
+    plan: RankPlan
+    row_positions: torch.Tensor
+
+    @property
+    def num_queries(self) -> int:
+        return int(self.plan.q_positions.numel())
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    """A rank's queries split into the part that attends during the exchange and the part after it.
+
+    `local` / `remote` is None when it has no query. `merge_index` puts `cat([local_out,
+    remote_out])` back in query order (None: already in order, e.g. a contiguous shard whose
+    first run continues a document is `remote_first`)."""
+
+    local: QueryPart | None
+    remote: QueryPart | None
+    merge_index: torch.Tensor | None
+    remote_first: bool = False
+
+    @property
+    def local_queries(self) -> int:
+        return 0 if self.local is None else self.local.num_queries
+
+
+def _part(plan: RankPlan, keep: torch.Tensor, key_rows: torch.Tensor, row_positions: torch.Tensor) -> QueryPart | None:
+    """The runs `keep` of `plan` as a plan of their own, its keys read from `key_rows` (one row per key of `plan`)."""
+    if not bool(keep.any()):
+        return None
+    cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
+    q_lens, k_lens = (cu_q[1:] - cu_q[:-1])[keep], (cu_k[1:] - cu_k[:-1])[keep]
+    q_index = ranges(cu_q[:-1][keep], q_lens)
+    k_index = ranges(cu_k[:-1][keep], k_lens)
+    sub = RankPlan(
+        rank=plan.rank,
+        q_positions=plan.q_positions[q_index],
+        q_segments=plan.q_segments[q_index],
+        key_rows=range_or_index(key_rows[k_index]),
+        k_positions=plan.k_positions[k_index],
+        k_segments=plan.k_segments[k_index],
+        cu_seqlens_q=offsets(q_lens),
+        cu_seqlens_k=offsets(k_lens),
+        max_seqlen_q=int(q_lens.max()),
+        max_seqlen_k=int(k_lens.max()),
+    )
+    return QueryPart(range_or_index(q_index), sub, row_positions)
+
+
+def _all_rows(key_rows: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+    return torch.arange(*key_rows) if isinstance(key_rows, tuple) else key_rows.long()
+
+
+def _index(queries) -> torch.Tensor:
+    return torch.arange(*queries) if isinstance(queries, tuple) else queries
+
+
+def plan_overlap(layout: Layout, rank: int, plan: RankPlan, row_positions: torch.Tensor) -> OverlapPlan:
+    """Split `rank`'s `plan` (key rows into the exchange's rows, `row_positions`) into the query runs
+    whose keys are all on `rank` and the others."""
+    local_len = layout.local_len
+    slot = layout.slot_of_position[plan.k_positions]
+    on_rank = slot // local_len == rank
+    cu_k = plan.cu_seqlens_k.long()
+    foreign = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((~on_rank).long(), 0)])
+    local_runs = foreign[cu_k[1:]] == foreign[cu_k[:-1]]  # no foreign key in the run
+    local = _part(plan, local_runs, slot - rank * local_len, layout.slot_positions[rank])
+    remote = _part(plan, ~local_runs, _all_rows(plan.key_rows), row_positions)
+    merge_index, remote_first = None, False
+    if local is not None and remote is not None:
+        lq, rq = _index(local.queries), _index(remote.queries)
+        if int(rq[-1]) < int(lq[0]):
+            remote_first = True
+        elif not int(lq[-1]) < int(rq[0]):
+            order = torch.cat([lq, rq])
+            merge_index = torch.empty_like(order)
+            merge_index[order] = torch.arange(order.numel())
+    return OverlapPlan(local, remote, merge_index, remote_first)
