@@ -1,7 +1,8 @@
 """Overlap plan: which of a rank's queries can attend while its K/V exchange is in flight.
 
 A query run (consecutive local queries of one segment, `plan_rank`) whose keys all lie on the
-rank itself needs nothing from the exchange: its attention can run before the exchange has
+rank itself, or a run of padding (which attends over the padding rows the rank holds: its output
+reaches no real token), needs nothing from the exchange: its attention can run before the exchange has
 delivered. `plan_overlap` splits a rank's plan into that *local* part and the *remote* rest,
 each a `RankPlan` of its own over a subset of the query runs:
 
@@ -59,14 +60,23 @@ class OverlapPlan:
         return 0 if self.local is None else self.local.num_queries
 
 
-def _part(plan: RankPlan, keep: torch.Tensor, key_rows: torch.Tensor, row_positions: torch.Tensor) -> QueryPart | None:
-    """The runs `keep` of `plan` as a plan of their own, its keys read from `key_rows` (one row per key of `plan`)."""
+def _run_of_key(plan: RankPlan) -> torch.Tensor:
+    cu_k = plan.cu_seqlens_k.long()
+    return torch.repeat_interleave(torch.arange(cu_k.numel() - 1), cu_k[1:] - cu_k[:-1])
+
+
+def _part(plan: RankPlan, keep: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor, row_positions: torch.Tensor):
+    """The runs `keep` of `plan` with their keys `keys` (a mask over the plan's keys that keeps, of
+    each kept run, a subset ending with the run's own positions) as a plan of their own, its keys read from
+    `key_rows` (one row per key of `plan`); None without a run."""
     if not bool(keep.any()):
         return None
-    cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
-    q_lens, k_lens = (cu_q[1:] - cu_q[:-1])[keep], (cu_k[1:] - cu_k[:-1])[keep]
+    cu_q = plan.cu_seqlens_q.long()
+    q_lens = (cu_q[1:] - cu_q[:-1])[keep]
     q_index = ranges(cu_q[:-1][keep], q_lens)
-    k_index = ranges(cu_k[:-1][keep], k_lens)
+    run = _run_of_key(plan)
+    k_index = torch.nonzero(keys & keep[run]).reshape(-1)
+    k_lens = torch.bincount(run[k_index], minlength=keep.numel())[keep]
     sub = RankPlan(
         rank=plan.rank,
         q_positions=plan.q_positions[q_index],
@@ -96,11 +106,16 @@ def plan_overlap(layout: Layout, rank: int, plan: RankPlan, row_positions: torch
     local_len = layout.local_len
     slot = layout.slot_of_position[plan.k_positions]
     on_rank = slot // local_len == rank
-    cu_k = plan.cu_seqlens_k.long()
+    cu_q, cu_k = plan.cu_seqlens_q.long(), plan.cu_seqlens_k.long()
     foreign = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((~on_rank).long(), 0)])
-    local_runs = foreign[cu_k[1:]] == foreign[cu_k[:-1]]  # no foreign key in the run
-    local = _part(plan, local_runs, slot - rank * local_len, layout.slot_positions[rank])
-    remote = _part(plan, ~local_runs, _all_rows(plan.key_rows), row_positions)
+    padding = layout.document_ids[plan.q_positions[cu_q[:-1]]] == 0
+    # A run is local when no key is foreign; a padding run always is, over the padding rows this
+    # rank holds (its output reaches no real token, as in the needed-keys exchanges' plans).
+    local_runs = (foreign[cu_k[1:]] == foreign[cu_k[:-1]]) | padding
+    local_keys = on_rank | ~padding[_run_of_key(plan)]
+    local = _part(plan, local_runs, local_keys, slot - rank * local_len, layout.slot_positions[rank])
+    everything = torch.ones_like(on_rank)
+    remote = _part(plan, ~local_runs, everything, _all_rows(plan.key_rows), row_positions)
     merge_index, remote_first = None, False
     if local is not None and remote is not None:
         lq, rq = _index(local.queries), _index(remote.queries)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import kernel_names, unsupported_reason
-from helpers.cp_parity import LAYOUTS, PACKS, matrix_exchanges, parity_matrix_case
+from helpers.cp_parity import LAYOUTS, PACKS, matrix_modes, parity_matrix_case
 from helpers.dist_pool import GlooPool
 
 HEAD_DIM = 64  # a head dim every kernel was verified on (fa4 refuses 16)
@@ -34,8 +34,8 @@ def test_every_kernel_exchange_and_layout_on_nccl(world_size):
     finally:
         pool.close()
     packs = (*PACKS, "real_lengths")
-    assert [(r["pack"], r["kernel"], r["exchange"], r["layout"]) for r in rows] == [
-        (p, k, x, lay) for p in packs for k in kernels for x in matrix_exchanges(world_size) for lay in LAYOUTS]
+    assert [(r["pack"], r["kernel"], r["exchange"], r["overlap"], r["layout"]) for r in rows] == [
+        (p, k, x, o, lay) for p in packs for k in kernels for x, o in matrix_modes(world_size) for lay in LAYOUTS]
     for r in rows:
         assert r["grad_err"] <= 1.5 * r["stock_grad_err"] and r["loss_err"] <= 1e-2, r
     assert any(r["padding_ranks"] >= 1 for r in rows if r["pack"] == "padding_rank" and r["layout"] == "contiguous")

@@ -1,6 +1,6 @@
 """The parity matrix (exactness, invariants I1 and I2 in docs/design.md) on any process group: a
 tiny Llama model with activation checkpointing trains one step under CP for every kernel x
-exchange x layout on named packs (documents across shard boundaries, a rank holding only padding,
+exchange (and overlap, where the exchange has it) x layout on named packs (documents across shard boundaries, a rank holding only padding,
 one document over every rank, optionally a pack of real document lengths), against the stock
 model run on each document separately in fp32. gloo on CPU in fp32 (tests/multiprocess/), NCCL
 with one process per GPU in bf16 (tests/gpu/); the criteria are docs/testing.md's."""
@@ -12,6 +12,7 @@ import copy
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.planning import get_exchange
 from hf_blockdiag_cp.bench.common import histogram_lengths
 from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import PAIR_COUNT  # balanced layouts permute tiny packs
@@ -28,6 +29,13 @@ def matrix_exchanges(world_size: int) -> tuple[str, ...]:
     """Every registered exchange that can split the model's heads over `world_size` ranks (a
     head-parallel one needs the 4 query heads divisible by G: not at G = 3)."""
     return exchanges_for(world_size, HEADS)
+
+
+def matrix_modes(world_size: int) -> tuple[tuple[str, bool], ...]:
+    """(exchange, overlap) of every matrix row: each exchange in order, then each one that can
+    overlap attention (`ExchangeRecord.begin`) with `CPConfig(overlap=True)`."""
+    names = matrix_exchanges(world_size)
+    return tuple((x, False) for x in names) + tuple((x, True) for x in names if get_exchange(x).begin is not None)
 
 
 def model_dims(head_dim: int) -> dict:
@@ -75,6 +83,7 @@ def _cp_row(model, batch, group, world_size, config, loss32, grads32) -> dict:
         "grad_err": rel_err(_flat(grads, names), _flat(grads32, names)),
         "grad_err_max_param": max(rel_err(grads[n].cpu(), grads32[n].cpu()) for n in names),
         "exchange_taken": step.kv_exchange,
+        "overlapped_queries": round(float(mean_over_group(torch.tensor(float(step.overlapped_queries)), group, world_size)) * world_size),
         "padding_ranks": sum(1 for r in layout.real_tokens_per_rank() if r == 0),
         "permuted": bool((slots != torch.arange(slots.numel())).any()),
     }
@@ -102,10 +111,11 @@ def parity_matrix_case(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         batch = {k: v.to(device) for k, v in batch.items()}
         for kernel in kernels:
-            for exchange in matrix_exchanges(world_size):
+            for exchange, overlap in matrix_modes(world_size):
                 for layout in LAYOUTS:
-                    config = bdcp.CPConfig(attn_backend=kernel, kv_exchange=exchange, layout=layout, kernel_cost=PAIR_COUNT)
-                    row = {"pack": pack, "kernel": kernel, "exchange": exchange, "layout": layout,
+                    config = bdcp.CPConfig(attn_backend=kernel, kv_exchange=exchange, layout=layout, kernel_cost=PAIR_COUNT,
+                                           overlap=overlap)
+                    row = {"pack": pack, "kernel": kernel, "exchange": exchange, "overlap": overlap, "layout": layout,
                            "stock_grad_err": stock_grad_err, "stock_loss_err": stock_loss_err}
                     rows.append({**row, **_cp_row(model, batch, group, world_size, config, loss32, grads32)})
     return rows

@@ -40,13 +40,13 @@ def parity_case(
     return worst
 
 
-def exchange_step_case(rank, world_size, group, layout, exchange):
+def exchange_step_case(rank, world_size, group, layout, exchange, overlap=False):
     """The exchange the step runs, and the bytes it moved in one llama fwd+bwd with
     checkpointing, against its record's plan (forward twice: once more in recompute)."""
     _, model = build_models("llama")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     _, batch = make_pack(layout, world_size)
-    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange)
+    config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=overlap)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     step = local["blockdiag_cp_step"]
     with train_ctx():

@@ -4,7 +4,8 @@ Gloo parity (I1, I2; docs/design.md): loss and every gradient under CP, with and
 activation checkpointing, equal the stock model with `eager` on each document separately, at
 world sizes chosen so that each family runs at two sizes (one >= 3) and every size 1-4 is
 covered; with guards on the test data itself (windows smaller than a shard, a mixed LongRoPE
-pack whose reference differs from the per-document one). The single-process tests of the
+pack whose reference differs from the per-document one); the attention features also with
+`CPConfig(overlap=True)`. The single-process tests of the
 attention features are in unit/test_model_features.py, the CUDA flex ones in
 gpu/test_flex_features_cuda.py.
 """
@@ -41,9 +42,9 @@ WORLD_SIZES = {
 CASES = [(family, g) for family, sizes in WORLD_SIZES.items() for g in sizes]
 
 
-def model_parity_case(rank, world_size, group, family, mixed_longrope=False):
+def model_parity_case(rank, world_size, group, family, mixed_longrope=False, overlap=False):
     """Worst relative error per variant (plain, activation checkpointing) for one family."""
-    config = bdcp.CPConfig(attn_backend="auto", kv_exchange="allgather")
+    config = bdcp.CPConfig(attn_backend="auto", kv_exchange="allgather", overlap=overlap)
     ref, model = build_pair(family)
     docs, batch, extra, shard_primary = family_pack(family, world_size, mixed_longrope, ref)
     if mixed_longrope:
@@ -68,6 +69,7 @@ def model_parity_case(rank, world_size, group, family, mixed_longrope=False):
             "loss": errors["loss"],
             "sinks": {n: e for n, e in errors.items() if n.endswith("sinks")},
             "attention_calls": step.attention_calls,
+            "overlapped_queries": step.overlapped_queries,
         }
     results["sink_grad_norms"] = [float(g.norm()) for n, g in ref_grads.items() if n.endswith("sinks")]
     return results
@@ -91,6 +93,18 @@ def test_model_parity(gloo, family, world_size):
         for variant in ("plain", "ac"):
             assert len(results[0][variant]["sinks"]) == 2
             assert max(results[0][variant]["sinks"].values()) <= TOL
+
+
+# The attention features under CPConfig(overlap=True): softcap and windows (gemma2), sinks and
+# windows (gpt_oss), Dk != Dv with K/V pre-expanded (deepseek_v3); each query attends in one part.
+OVERLAP_CASES = [("gemma2", 2), ("gpt_oss", 3), ("deepseek_v3", 2)]
+
+
+@pytest.mark.parametrize("family,world_size", OVERLAP_CASES, ids=[f"{f}-G{g}" for f, g in OVERLAP_CASES])
+def test_model_parity_with_overlap(gloo, family, world_size):
+    results = gloo(world_size).run(model_parity_case, family=family, overlap=True)
+    _assert_parity(results, f"{family} (overlap)")
+    assert sum(res["ac"]["overlapped_queries"] for res in results) > 0
 
 
 def test_phi3_longrope_mixed_pack_matches_stock_packed_run(gloo):

@@ -1,0 +1,139 @@
+"""`CPConfig(overlap=True)` on real gloo groups (docs/kernels.md, "Overlap"). The parity matrix
+(test_cp_parity_matrix.py) and the feature families (test_model_parity.py) check its exactness;
+here, what the overlap itself promises:
+
+- the order: the local part attends between the start and the end of the all-gather, and in
+  backward the reduce-scatter starts before the local part's backward and is waited for after it;
+- the bytes: the step's meter counts the plan's bytes, as without overlap;
+- a rank whose every query reads the gathered rows, one whose queries read none, and frozen K/V
+  projections (no reduce-scatter at all): every rank finishes, gradients exact;
+- FlexAttention, which attends over every row the exchange returns: forward equal to the plain order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.attention import entry
+from hf_blockdiag_cp.comm.exchanges import allgather
+from helpers.packs import make_pack
+from helpers.parity import exchange_step_case
+from helpers.reference import build_models, compare_with_reference, reference_loss_and_grads
+
+TOL = 1e-4
+
+
+def _events_case(rank, world_size, group):
+    """This rank's sequence of collective starts / waits and attention parts, forward and backward,
+    for one llama step with activation checkpointing on the straddle pack."""
+    events = []
+    start, finish, attend = allgather.PendingGather.start, allgather.PendingGather.finish, entry.local_attention
+
+    def traced_start(self, what, *args):
+        events.append(f"start {what}")
+        return start(self, what, *args)
+
+    def traced_finish(self, what):
+        events.append(f"wait {what}")
+        return finish(self, what)
+
+    def traced_attend(step, q, k, v, **kwargs):
+        part = "local" if kwargs.get("part") is step.overlap.local else "remote"
+        events.append(f"forward {part}")
+        q.register_hook(lambda grad: events.append(f"backward {part}"))
+        return attend(step, q, k, v, **kwargs)
+
+    allgather.PendingGather.start, allgather.PendingGather.finish = traced_start, traced_finish
+    entry.local_attention = traced_attend
+    try:
+        _, model = build_models("llama")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _, batch = make_pack("straddle", world_size)
+        config = bdcp.CPConfig(attn_backend="dense", overlap=True)
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
+        with train_ctx() as step:
+            model(**local).loss.backward()
+        return events, step.overlap.local is not None, step.overlap.remote is not None
+    finally:
+        allgather.PendingGather.start, allgather.PendingGather.finish = start, finish
+        entry.local_attention = attend
+
+
+def test_local_attention_runs_while_the_collectives_are_in_flight(gloo):
+    layers = build_models("llama")[1].config.num_hidden_layers
+    results = gloo(2).run(_events_case)
+    assert [parts for _, *parts in results] == [[True, False], [True, True]]  # rank 0 needs no foreign key
+    for rank, (events, has_local, has_remote) in enumerate(results):
+        local, remote = ["local"] * has_local, ["remote"] * has_remote
+        forward = ["start all-gather", *(f"forward {p}" for p in local), "wait all-gather", *(f"forward {p}" for p in remote)]
+        backward = [*(f"backward {p}" for p in remote), "start reduce-scatter", *(f"backward {p}" for p in local),
+                    "wait reduce-scatter"]
+        # Forward of every layer, then per layer (last first): recompute, then its backward.
+        assert events == forward * layers + (forward + backward) * layers, f"rank {rank}: {events}"
+
+
+@pytest.mark.parametrize("layout", ["straddle", "span_all"])
+def test_overlap_moves_the_planned_bytes(gloo, layout):
+    for rank, (exchange, metered, planned) in enumerate(gloo(3).run(exchange_step_case, layout=layout, exchange="allgather", overlap=True)):
+        assert exchange == "allgather" and metered == planned, f"rank {rank}: metered {metered}, planned {planned}"
+
+
+def _frozen_kv_case(rank, world_size, group, pack):
+    """Loss and gradient errors against the per-document reference with K/V projections frozen
+    (the all-gather's rows need no gradient: no reduce-scatter on any rank), and the parts per rank."""
+    ref, model = build_models("llama")
+    for m in (ref, model):
+        for name, p in m.named_parameters():
+            if "k_proj" in name or "v_proj" in name:
+                p.requires_grad_(False)
+    docs, batch = make_pack(pack, world_size)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(overlap=True))
+    with train_ctx() as step:
+        loss = model(**local).loss
+        loss.backward()
+    errors = compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
+    return max(errors.values()), step.overlap.local is not None, step.overlap.remote is not None
+
+
+@pytest.mark.parametrize("pack", ["span_all", "padding_rank"])
+def test_frozen_kv_and_one_sided_ranks_finish_exactly(gloo, pack):
+    results = gloo(3).run(_frozen_kv_case, pack=pack, timeout=120)
+    for rank, (err, _, _) in enumerate(results):
+        assert err <= TOL, f"rank {rank}: relative error {err:.2e}"
+    parts = [(has_local, has_remote) for _, has_local, has_remote in results]
+    if pack == "span_all":  # the middle rank holds only the long document's middle: every query is remote
+        assert parts[1] == (False, True), parts
+    else:  # the last rank holds only padding, which needs nothing from other ranks
+        assert parts[-1] == (True, False), parts
+
+
+def _flex_forward_case(rank, world_size, group):
+    """Logits of one forward with flex, overlapped and in order, and with the dense kernel."""
+    _, model = build_models("llama")
+    _, batch = make_pack("straddle", world_size)
+    logits = {}
+    for name, config in (("dense", bdcp.CPConfig(attn_backend="dense")),
+                         ("flex", bdcp.CPConfig(attn_backend="flex")),
+                         ("flex+overlap", bdcp.CPConfig(attn_backend="flex", overlap=True))):
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
+        with torch.no_grad(), train_ctx():
+            logits[name] = model(**local).logits
+    return logits
+
+
+def test_flex_attends_over_each_parts_rows(gloo):
+    for rank, logits in enumerate(gloo(2).run(_flex_forward_case, timeout=300)):
+        assert torch.allclose(logits["flex+overlap"], logits["flex"], atol=1e-5, rtol=1e-5), rank
+        assert torch.allclose(logits["flex+overlap"], logits["dense"], atol=1e-5, rtol=1e-5), rank
+
+
+def test_overlap_needs_an_exchange_that_can_overlap():
+    with pytest.raises(ValueError, match="overlap=True needs a kv_exchange that can overlap.*got kv_exchange='a2a'"):
+        bdcp.CPConfig(kv_exchange="a2a", overlap=True)
+    with pytest.raises(TypeError, match="overlap must be True or False"):
+        bdcp.CPConfig(overlap="yes")
+    assert bdcp.CPConfig(kv_exchange="auto", overlap=True).overlap  # auto: overlapped when it picks allgather

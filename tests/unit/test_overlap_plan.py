@@ -1,0 +1,98 @@
+"""The overlap plan (`planning.plan_overlap`, `CPConfig(overlap=True)`) against brute force
+(hypothesis, G = 1-8, random packs with interior padding, contiguous / balanced / head-tail
+layouts): the two parts hold every local query once; a query is in the local part exactly when
+every key of its run (its document from the start up to the run's last query) is held by its own
+rank, or is padding; each part's plan allows exactly the (query, key position) pairs the full plan
+allows for its queries (padding queries: those of keys on the rank), with key rows that name
+those positions; and the merge puts the parts back in
+query order. Whole models under overlap on gloo: tests/multiprocess/test_overlap.py and the
+parity matrix."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_blockdiag_cp.planning import plan_overlap, plan_rank, validate_rank_plan
+from hf_blockdiag_cp.planning.rank_plan import dense_allowed
+from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy
+
+
+def _indices(queries) -> list[int]:
+    return list(range(*queries)) if isinstance(queries, tuple) else queries.tolist()
+
+
+def _rows(key_rows) -> torch.Tensor:
+    return torch.arange(*key_rows) if isinstance(key_rows, tuple) else key_rows
+
+
+def brute_local_queries(layout, rank: int) -> set[int]:
+    """Local rows of padding or whose run's keys are all on `rank`: walk the rank's rows, grouping
+    consecutive positions of one segment, and look up the owner of every position from the
+    segment's start."""
+    positions = layout.slot_positions[rank].tolist()
+    owner = {p: r for r in range(layout.cp_size) for p in layout.slot_positions[r].tolist()}
+    seg, starts = layout.segments.segment_ids.tolist(), layout.segments.segment_starts.tolist()
+    local, row = set(), 0
+    while row < len(positions):
+        end = row
+        while end + 1 < len(positions) and positions[end + 1] == positions[end] + 1 and seg[positions[end + 1]] == seg[positions[row]]:
+            end += 1
+        keys = range(starts[positions[row]], positions[end] + 1)
+        if layout.document_ids[positions[row]] == 0 or all(owner[p] == rank for p in keys):
+            local.update(range(row, end + 1))
+        row = end + 1
+    return local
+
+
+def _allowed_pairs(plan, row_positions) -> set[tuple[int, int]]:
+    """(query position, key position) pairs a plan allows, its keys read through its key rows."""
+    keys = row_positions[_rows(plan.key_rows)]
+    assert torch.equal(keys, plan.k_positions), "key rows do not name the plan's key positions"
+    allowed = dense_allowed(plan.q_positions, plan.q_segments, plan.k_positions, plan.k_segments)
+    q, k = torch.nonzero(allowed, as_tuple=True)
+    return set(zip(plan.q_positions[q].tolist(), plan.k_positions[k].tolist()))
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS))
+def test_parts_split_the_queries_exactly(runs, cp_size, kind):
+    layout = make_layout(pack_ids(runs), cp_size, kind)
+    all_rows = layout.slot_positions.reshape(-1)
+    for rank in range(cp_size):
+        full = plan_rank(layout, rank)
+        split = plan_overlap(layout, rank, full, all_rows)
+        local = [] if split.local is None else _indices(split.local.queries)
+        remote = [] if split.remote is None else _indices(split.remote.queries)
+        assert sorted(local + remote) == list(range(layout.local_len)), "every query in exactly one part"
+        assert set(local) == brute_local_queries(layout, rank)
+        assert split.local_queries == len(local)
+        full_pairs = _allowed_pairs(full, all_rows)
+        parts = [(p, _indices(p.queries)) for p in (split.local, split.remote) if p is not None]
+        for part, rows in parts:
+            validate_rank_plan(part.plan, part.num_queries, part.plan.num_keys, num_rows=part.row_positions.numel())
+            assert torch.equal(part.plan.q_positions, layout.slot_positions[rank][rows])
+            mine = set(part.plan.q_positions.tolist())
+            # Padding queries of the local part see only the padding rows this rank holds.
+            held = set(layout.slot_positions[rank].tolist()) if part is split.local else None
+            want = {(q, k) for q, k in full_pairs
+                    if q in mine and (held is None or layout.document_ids[q] > 0 or k in held)}
+            assert _allowed_pairs(part.plan, part.row_positions) == want
+        if split.local is not None:  # the local part reads this rank's own rows only
+            assert torch.equal(split.local.row_positions, layout.slot_positions[rank])
+        # The merge restores query order from cat([local, remote]) (or cat([remote, local])).
+        order = torch.tensor(remote + local if split.remote_first else local + remote)
+        merged = order if split.merge_index is None else order[split.merge_index]
+        assert merged.tolist() == list(range(layout.local_len))
+
+
+def test_contiguous_shard_whose_first_document_continues_is_remote_first():
+    # Documents of 6, 10 and 8 tokens over two ranks of 12 rows: rank 1's first run continues the
+    # second document (remote), its last document starts on the rank (local).
+    ids = torch.tensor([1] * 6 + [2] * 10 + [3] * 8)
+    layout = make_layout(ids, 2, "contiguous")
+    split = plan_overlap(layout, 1, plan_rank(layout, 1), layout.slot_positions.reshape(-1))
+    assert split.remote.queries == (0, 4) and split.local.queries == (4, 12)
+    assert split.remote_first and split.merge_index is None
+    assert split.local.plan.key_rows == (4, 12)  # rank 1's own rows 4..11 hold positions 16..23
