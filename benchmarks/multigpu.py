@@ -12,7 +12,8 @@ Parts (docs/multigpu.md says what every column means; exactness is tested, tests
   attention  attention-only fwd / bwd (exchange + local kernel), time = max over ranks of per-rank CUDA-event
              times; FLOPs = block-causal area (bwd = 2.5x fwd); % of the 1/G ideal (rank 0 alone on the
              whole pack / G). Setups (hf_blockdiag_cp.bench.setups): "magi" and "ringflash".
-  overlap    per layer: exchange alone, local attention alone (one kernel call), both as the model runs them;
+  overlap    per layer: exchange alone, local attention alone (one kernel call), both as the model runs them
+             (in order, and with CPConfig(overlap=True) where the exchange can overlap: column `overlap`);
              exposed communication = total - attention alone.
   e2e        fwd+bwd of the 1.2B and an 8B-class Llama config on packed batches (multigpu_e2e.py).
 
@@ -56,18 +57,29 @@ def _attn_kernels(ctx, args):
     return args.attn_kernels or (["varlen"] if ctx.cuda else ["dense"])
 
 
-def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange: str, layout: str) -> CPStep:
+def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange: str, layout: str,
+              overlap: bool = False) -> CPStep:
     """The step of `rank` as the shard step builds it (the exchange as `exchange` resolves, the kernel's per-step
-    preparation done), without a batch."""
+    preparation done, the queries split with `overlap`), without a batch."""
     lay = plan_layout(document_ids_for(lengths), G, layout)
     needs_plan = G > 1 and (exchange == "auto" or get_exchange(exchange).needs_plan)
     xplan = plan_exchange(lay) if needs_plan else None
     taken = choose_exchange(exchange, xplan) if G > 1 else "allgather"
-    step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan)
+    step = build_step(lay, rank, group, ctx.device, kernel, taken, xplan, overlap=overlap)
     prepare = get_kernel(kernel).prepare
     if prepare is not None:
-        prepare(step)
+        for target in step.kernel_targets:
+            prepare(target)
     return step
+
+
+def exchange_modes(args) -> list[tuple[str, bool]]:
+    """(exchange, overlap) pairs to time: every `--exchanges` entry in order, then (unless `--no-overlap`)
+    each one that can overlap attention (`CPConfig.overlap`) once more with it."""
+    modes = [(x, False) for x in args.exchanges]
+    if args.overlap:
+        modes += [(x, True) for x in args.exchanges if x != "auto" and get_exchange(x).begin is not None]
+    return modes
 
 
 def qkv(ctx, step: CPStep, s: dict, dtype, seed: int):
@@ -112,13 +124,13 @@ def part_attention(ctx: Ctx, args) -> dict:
                 rows.append({**_srow(s), "kernel": kernel, "note": reason})
                 continue
             single = _single_ideal(ctx, args, s, kernel, dtype)
-            for exchange in args.exchanges:
+            for exchange, overlap in exchange_modes(args):
                 for layout in args.layouts:
                     if ctx.out_of_time(deadline):
-                        rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "layout": layout,
-                                     "note": "skipped: attention time budget"})
+                        rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "overlap": overlap,
+                                     "layout": layout, "note": "skipped: attention time budget"})
                         continue
-                    rows.append(_attention_row(ctx, args, s, kernel, exchange, layout, dtype, single))
+                    rows.append(_attention_row(ctx, args, s, kernel, exchange, layout, dtype, single, overlap))
                     ctx.save_partial(rows, ATTENTION_COLUMNS)
                     ctx.log("attention", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
                     if ctx.cuda:
@@ -147,13 +159,13 @@ def _single_ideal(ctx: Ctx, args, s: dict, kernel: str, dtype) -> list[float]:
     return ctx.reduce(single, "sum")  # only rank 0 contributes
 
 
-def _attention_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: str, dtype, single) -> dict:
+def _attention_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: str, dtype, single, overlap=False) -> dict:
     """Forward and backward of exchange + local kernel, max over ranks; TFLOP/s per GPU and % of the 1/G ideal."""
     G = ctx.world
-    step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout)
+    step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout, overlap)
     fwd, bwd = time_body(ctx, fwd_bwd_body(step, *qkv(ctx, step, s, dtype, 1 + ctx.rank)), *_timing(args))
     per_gpu = 4.0 * s["heads"] * s["head_dim"] * causal_pairs(s["lengths"]) / G
-    row = {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange,
+    row = {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange, "overlap": overlap,
            "layout": layout, "fwd_ms": fwd, "bwd_ms": bwd,
            "fwd_tflops_gpu": per_gpu / (fwd * 1e-3) / 1e12, "bwd_tflops_gpu": 2.5 * per_gpu / (bwd * 1e-3) / 1e12,
            "fwdbwd_tflops_gpu": 3.5 * per_gpu / ((fwd + bwd) * 1e-3) / 1e12}
@@ -164,7 +176,7 @@ def _attention_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: 
     return row
 
 
-ATTENTION_COLUMNS = ["setup", "pack", "docs", "tokens", "heads", "kernel", "exchange", "exchange_taken", "layout", "fwd_ms",
+ATTENTION_COLUMNS = ["setup", "pack", "docs", "tokens", "heads", "kernel", "exchange", "exchange_taken", "overlap", "layout", "fwd_ms",
                      "bwd_ms", "fwd_tflops_gpu", "bwd_tflops_gpu", "fwdbwd_tflops_gpu", "fwd_pct_ideal", "bwd_pct_ideal",
                      "fwdbwd_pct_ideal", "note"]
 
@@ -176,18 +188,18 @@ def _srow(s):
 
 
 def _attention_totals(rows, G):
-    """One row per (setup, kernel, exchange, layout) over all its packs: summed FLOPs over summed times."""
+    """One row per (setup, kernel, exchange, overlap, layout) over all its packs: summed FLOPs over summed times."""
     out, groups = [], {}
     for r in rows:
         if "fwd_ms" in r:
-            groups.setdefault((r["setup"], r["kernel"], r["exchange"], r["layout"]), []).append(r)
-    for (setup, kernel, exchange, layout), rs in groups.items():
+            groups.setdefault((r["setup"], r["kernel"], r["exchange"], r.get("overlap", False), r["layout"]), []).append(r)
+    for (setup, kernel, exchange, overlap, layout), rs in groups.items():
         if len(rs) < 2:
             continue
         flops = sum(4.0 * r["_hd"] * r["_pairs"] for r in rs) / G
         fwd, bwd = sum(r["fwd_ms"] for r in rs), sum(r["bwd_ms"] for r in rs)
         row = {"setup": setup, "pack": "ALL", "docs": sum(r["docs"] for r in rs), "tokens": sum(r["tokens"] for r in rs),
-               "kernel": kernel, "exchange": exchange, "layout": layout, "fwd_ms": fwd, "bwd_ms": bwd,
+               "kernel": kernel, "exchange": exchange, "overlap": overlap, "layout": layout, "fwd_ms": fwd, "bwd_ms": bwd,
                "fwd_tflops_gpu": flops / (fwd * 1e-3) / 1e12, "bwd_tflops_gpu": 2.5 * flops / (bwd * 1e-3) / 1e12,
                "fwdbwd_tflops_gpu": 3.5 * flops / ((fwd + bwd) * 1e-3) / 1e12}
         if all("single_fwd_ms" in r for r in rs):
@@ -201,7 +213,7 @@ def _attention_totals(rows, G):
 # --------------------------------------------------------------------------- overlap
 
 
-OVERLAP_COLUMNS = ["setup", "pack", "kernel", "exchange", "exchange_taken", "layout", "comm_fwd_ms", "attn_fwd_ms",
+OVERLAP_COLUMNS = ["setup", "pack", "kernel", "exchange", "exchange_taken", "overlap", "layout", "comm_fwd_ms", "attn_fwd_ms",
                    "total_fwd_ms", "exposed_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms", "exposed_bwd_ms",
                    "exposed_pct_of_attn", "exposed_pct_of_total", "note"]
 
@@ -215,25 +227,27 @@ def part_overlap(ctx: Ctx, args) -> dict:
         for kernel in _attn_kernels(ctx, args):
             if unsupported_reason(kernel, ctx.device, dtype, s["head_dim"], s["head_dim"]):
                 continue
-            for exchange in args.exchanges:
+            for exchange, overlap in exchange_modes(args):
                 for layout in args.layouts:
                     if ctx.out_of_time(deadline):
-                        rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "layout": layout,
-                                     "note": "skipped: overlap time budget"})
+                        rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "overlap": overlap,
+                                     "layout": layout, "note": "skipped: overlap time budget"})
                         continue
-                    rows.append(_overlap_row(ctx, args, s, kernel, exchange, layout, dtype))
+                    rows.append(_overlap_row(ctx, args, s, kernel, exchange, layout, dtype, overlap))
                     ctx.log("overlap", {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()})
                     if ctx.cuda:
                         torch.cuda.empty_cache()
     return {"rows": rows, "columns": OVERLAP_COLUMNS}
 
 
-def _overlap_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: str, dtype) -> dict:
+def _overlap_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: str, dtype, overlap=False) -> dict:
     """Per layer, max over ranks: the exchange alone, the local attention alone on already exchanged
-    K/V, and both as the model runs them; exposed communication = total - attention alone."""
+    K/V (one kernel call), and both as the model runs them (with `overlap`: the local queries during
+    the exchange); exposed communication = total - attention alone."""
     G = ctx.world
     reps, warmup = _timing(args)
     step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout)
+    model_step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout, overlap) if overlap else step
     q, k, v, dout = qkv(ctx, step, s, dtype, 1 + ctx.rank)
     kt, vt = k[0].transpose(0, 1), v[0].transpose(0, 1)
 
@@ -260,9 +274,10 @@ def _overlap_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: st
 
     c = time_body(ctx, comm, reps, warmup)
     a = time_body(ctx, attn, reps, warmup)
-    t = time_body(ctx, fwd_bwd_body(step, q, k, v, dout), reps, warmup)
+    t = time_body(ctx, fwd_bwd_body(model_step, q, k, v, dout), reps, warmup)
     exposed = (t[0] + t[1]) - (a[0] + a[1])
-    return {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange, "layout": layout,
+    return {**_srow(s), "kernel": kernel, "exchange": exchange, "exchange_taken": step.kv_exchange, "overlap": overlap,
+            "layout": layout,
             "comm_fwd_ms": c[0], "comm_bwd_ms": c[1], "attn_fwd_ms": a[0], "attn_bwd_ms": a[1],
             "total_fwd_ms": t[0], "total_bwd_ms": t[1], "exposed_fwd_ms": t[0] - a[0], "exposed_bwd_ms": t[1] - a[1],
             "exposed_pct_of_attn": 100 * exposed / (a[0] + a[1]), "exposed_pct_of_total": 100 * exposed / (t[0] + t[1])}
@@ -283,6 +298,9 @@ def parse_args(argv=None):
                    default=[n for n in exchange_names() if not get_exchange(n).head_parallel],
                    help="exchanges to time (default: every registered K/V exchange; a head-parallel one such as "
                         "heads times in the attention part only)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="attention and overlap parts: skip the rows that run an exchange overlapped with attention")
+    p.add_argument("--e2e-overlap", action="store_true", help="e2e: CPConfig(overlap=True)")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "balanced"])
     p.add_argument("--setups", type=lambda s: s.split(","), default=["magi", "ringflash"])
     p.add_argument("--tokens-per-rank", type=int, default=8192)

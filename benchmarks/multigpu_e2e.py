@@ -97,7 +97,7 @@ def _measure(ctx: Ctx, args, model: str, G: int, S: int) -> dict:
     red = ctx.reduce([oom, err, res.get("step_s", 0), res.get("peak_gib", 0), res.get("first_s", 0)])  # the same on every rank
     row = {"model": model, "G": G, "tokens": S, "docs": res.get("docs"), "kernel": res.get("kernel"),
            "fused_ce": args.e2e_fused_ce, "layout": args.e2e_layout if G > 1 else None,
-           "grad_sync": args.e2e_grad_sync if G > 1 else None}
+           "grad_sync": args.e2e_grad_sync if G > 1 else None, "overlap": args.e2e_overlap if G > 1 else None}
     if red[0]:
         row["status"] = "OOM"
     elif red[1]:
@@ -121,7 +121,7 @@ def _add_vs_single(rows: list[dict]) -> None:
                 r[column] = r["tokens_per_s_per_gpu"] / base
 
 
-E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "layout", "grad_sync", "status", "first_s", "step_s",
+E2E_COLUMNS = ["model", "G", "tokens", "docs", "kernel", "fused_ce", "layout", "grad_sync", "overlap", "status", "first_s", "step_s",
                "tokens_per_s", "tokens_per_s_per_gpu", "per_gpu_vs_G1", "per_gpu_vs_G1_same_per_gpu", "peak_gib", "note"]
 
 
@@ -138,7 +138,7 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--e2e-child", json.dumps({**job, "result": str(result)}),
            "--out", str(ctx.out), "--device", args.device, "--timeout-s", str(args.e2e_child_timeout_s),
            "--steps", str(args.steps), "--e2e-kernel", args.e2e_kernel, "--e2e-layout", args.e2e_layout,
-           "--e2e-grad-sync", args.e2e_grad_sync]
+           "--e2e-grad-sync", args.e2e_grad_sync] + (["--e2e-overlap"] if args.e2e_overlap else [])
     cmd += (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else [])
     cmd += [] if args.checkpointing else ["--no-checkpointing"]
     with open(raw / f"{job['tag']}_rank{ctx.rank}.log", "w") as logf:
@@ -214,7 +214,8 @@ def _timed_steps(args, model, batch: dict, group, rank: int, G: int, out: dict) 
     all-reduce per parameter after backward (exposed) unless DDP synchronises."""
     cuda = batch["input_ids"].is_cuda
     ddp = hasattr(model, "module")
-    cp_config = bdcp.CPConfig(attn_backend=args.e2e_kernel, kv_exchange="allgather", layout=args.e2e_layout)
+    cp_config = bdcp.CPConfig(attn_backend=args.e2e_kernel, kv_exchange="allgather", layout=args.e2e_layout,
+                              overlap=args.e2e_overlap)
     fake_oom = batch["input_ids"].shape[1] >= int(os.environ.get("MULTIGPU_FAKE_OOM_TOKENS", 1 << 62))
     times = []
     for _ in range(1 + args.steps):

@@ -193,6 +193,11 @@ def write_results(ctx: Ctx, results: dict) -> str:
     return text
 
 
+def _mode(row: dict) -> str:
+    """The exchange of a row, `+overlap` when it ran overlapped with attention."""
+    return row["exchange"] + ("+overlap" if row.get("overlap") else "")
+
+
 def short_table(results: dict) -> str:
     lines = ["part | ok | s | headline", "---|---|---|---"]
     for name, p in results["parts"].items():
@@ -200,10 +205,10 @@ def short_table(results: dict) -> str:
         head = p.get("summary", "")
         if name == "attention":
             tot = [r for r in rows if r.get("pack") == "ALL" and r.get("fwdbwd_pct_ideal") is not None] or [r for r in rows if "fwd_ms" in r]
-            head = "; ".join(f"{r['setup']}/{r['pack']}/{r['exchange']}/{r['layout']}: {r['fwdbwd_tflops_gpu']:.3g} TF/s/GPU"
+            head = "; ".join(f"{r['setup']}/{r['pack']}/{_mode(r)}/{r['layout']}: {r['fwdbwd_tflops_gpu']:.3g} TF/s/GPU"
                              + (f" {r['fwdbwd_pct_ideal']:.0f}% ideal" if r.get("fwdbwd_pct_ideal") is not None else "") for r in tot[:8])
         elif name == "overlap":
-            head = "; ".join(f"{r['setup']}/{r['exchange']}/{r['layout']}: exposed {r['exposed_pct_of_attn']:.0f}% of attention" for r in rows if "exposed_pct_of_attn" in r)
+            head = "; ".join(f"{r['setup']}/{_mode(r)}/{r['layout']}: exposed {r['exposed_pct_of_attn']:.0f}% of attention" for r in rows if "exposed_pct_of_attn" in r)
         elif name == "e2e":
             head = "; ".join(f"{r['model']} G={r['G']} {r['tokens']}: "
                              + (f"{r['tokens_per_s_per_gpu']:.0f} tok/s/GPU {r['peak_gib']:.0f} GiB" if r.get("status") == "ok" else r["status"])
@@ -228,6 +233,8 @@ def summarize(paths: list[str], out: str) -> str:
         with_all = {x["setup"] for x in rows if x.get("pack") == "ALL"}  # a setup with one pack has no ALL row
         att += [{"G": G, **x} for x in rows if x.get("pack") == "ALL" or (x.get("fwd_ms") and x["setup"] not in with_all)]
         e2e += r["parts"].get("e2e", {}).get("rows", [])
+    for a in att:
+        a["exchange"] = _mode(a)
     att.sort(key=lambda x: (x["setup"], x["kernel"], x["exchange"], x["layout"], x["G"]))
     e2e.sort(key=lambda x: (x["model"], x["tokens"], x["G"]))
     md = ["# Multi-GPU scaling summary", "", "## attention (all packs of a setup; % of the 1/G ideal)", "",

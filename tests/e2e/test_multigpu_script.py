@@ -1,6 +1,7 @@
 """CPU smoke test of benchmarks/multigpu.py: two gloo ranks under torchrun, tiny sizes.
 
-Checks the JSON the script writes: attention and overlap rows for every exchange x layout with
+Checks the JSON the script writes: attention and overlap rows for every exchange (the all-gather
+also overlapped) x layout with
 positive times, the e2e part's steps, and the summary over runs. (The exactness of CP on several
 ranks is tested in tests/multiprocess/test_cp_parity_matrix.py and tests/gpu/test_nccl_parity.py.)
 """
@@ -42,17 +43,17 @@ def test_multigpu_script_cpu_smoke(tmp_path):
 
     attention = [r for r in parts["attention"]["rows"] if r["pack"] != "ALL"]
     assert {r["setup"] for r in attention} == {"magi", "ringflash"}
-    assert {(r["exchange"], r["layout"]) for r in attention} == {
-        (x, lay) for x in ("allgather", "halo", "a2a") for lay in ("contiguous", "balanced")
+    modes = [(x, False) for x in ("allgather", "halo", "a2a")] + [("allgather", True)]  # the all-gather overlapped too
+    assert {(r["exchange"], r["overlap"], r["layout"]) for r in attention} == {
+        (x, o, lay) for x, o in modes for lay in ("contiguous", "balanced")
     }
     for r in attention:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and r["fwdbwd_tflops_gpu"] > 0, r
         assert r["single_fwd_ms"] > 0 and r["fwdbwd_pct_ideal"] > 0, r
 
     overlap = parts["overlap"]["rows"]
-    assert {(r["setup"], r["exchange"], r["layout"]) for r in overlap} == {
-        (setup, x, lay) for setup in ("magi", "ringflash") for x in ("allgather", "halo", "a2a")
-        for lay in ("contiguous", "balanced")
+    assert {(r["setup"], r["exchange"], r["overlap"], r["layout"]) for r in overlap} == {
+        (setup, x, o, lay) for setup in ("magi", "ringflash") for x, o in modes for lay in ("contiguous", "balanced")
     }
     for r in overlap:
         for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):
@@ -63,16 +64,18 @@ def test_multigpu_script_cpu_smoke(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--summarize", str(out), "--out", str(summary)], cwd=REPO, check=True,
                    capture_output=True, timeout=120)
     text = (summary / "scaling.md").read_text()
-    assert text.count("| magi |") == 6 and text.count("| ringflash |") == 6  # one ALL row per exchange x layout
+    assert text.count("| magi |") == 8 and text.count("| ringflash |") == 8  # one ALL row per exchange mode x layout
+    assert text.count("allgather+overlap") == 4
 
 
 def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
-    """The e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP over the CP ranks) runs its
-    steps at G = 2 on gloo and records how gradients were synchronised."""
+    """The e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP over the CP ranks) and the
+    exchange overlapped with attention runs its steps at G = 2 on gloo and records both."""
     out = tmp_path / "out"
-    run_script(out, 2, "--parts", "e2e", "--e2e-grad-sync", "ddp")
+    run_script(out, 2, "--parts", "e2e", "--e2e-grad-sync", "ddp", "--e2e-overlap")
     rows = json.loads((out / "multigpu_G2.json").read_text())["parts"]["e2e"]["rows"]
     assert [r["tokens"] for r in rows] == [256, 512, 1024]
     for r in rows:
         assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["layout"] == "contiguous" and r["status"] == "ok", r
+        assert r["overlap"] is True, r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
