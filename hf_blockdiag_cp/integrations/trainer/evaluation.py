@@ -2,7 +2,8 @@
 
 The eval documents are packed by the same packing code as training (nothing dropped: the last
 partial pack is padded; packs that only fill the DP replicas' last round weigh 0), and every pack
-runs through the shard step under CP, forward only, each rank holding 1/G of it. `eval_loss` is
+runs through the shard step under CP, forward only, each rank holding 1/G of it, under the stock
+Trainer's mixed-precision autocast (`bf16=True` evaluates as the stock Trainer does). `eval_loss` is
 the token-weighted mean over every predicted eval token (the training loss's definition), i.e.
 the stock model's loss on each document unpacked, as long as no eval document is longer than a
 pack: those are split into pieces (oversize="split"), counted in `{prefix}_split_documents`, and
@@ -11,6 +12,7 @@ the loss is then the pieces' loss, which a warning says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -134,6 +136,17 @@ class ShardedEvaluationMixin:
         label_ids = np.stack([labels.numpy() for _, _, labels in mine])
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
+    def _eval_forward_context(self) -> contextlib.ExitStack:
+        """The stock Trainer's forward context for evaluation: `compute_loss_context_manager()`, which
+        `prediction_step` enters, and accelerate's mixed-precision autocast, which the stock evaluation
+        gets from `accelerator.prepare_model` wrapping the model's forward (`bf16=True` / `fp16=True`;
+        transformers 5.x's own `autocast_smart_context_manager` is a no-op). Without mixed precision
+        both are no-ops. Nesting the same autocast once the model's forward is wrapped changes nothing."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.compute_loss_context_manager())
+        stack.enter_context(self.accelerator.autocast())
+        return stack
+
     def _sharded_forward(self, loader, with_logits: bool):
         """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under
         CP. Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs
@@ -147,7 +160,7 @@ class ShardedEvaluationMixin:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._eval_forward_context():
                 for j, (batch, repeat) in enumerate(zip(loader, repeats)):
                     inputs = self._prepare_inputs(self._local_batch(batch))
                     train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
