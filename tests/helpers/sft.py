@@ -145,3 +145,42 @@ def sft_config(output_dir: str, **overrides):
     settings = {**trainer_settings(output_dir, ACCUMULATION, STEPS), "packing": True, "max_length": MAX_LENGTH,
                 "bf16": False}
     return SFTConfig(**{**settings, **overrides})
+
+
+def stock_document_metrics(kind: str, weights: dict | None = None) -> dict[tuple, tuple[int, int, float, float]]:
+    """Per document (keyed by its token ids), the stock eager model (tiny_model's weights, or `weights`)
+    on it alone: (targets, targets whose token is the argmax of the logits, entropy of the next-token
+    distribution summed over the targets, the smallest gap between the two largest logits of a target)."""
+    model = tiny_model("eager").eval()
+    if weights is not None:
+        model.load_state_dict(weights)
+    stats = {}
+    with torch.no_grad():
+        for ids, targets in reference_documents(kind):
+            tokens, where = torch.tensor(ids), torch.tensor(targets, dtype=torch.long)
+            logits = model(input_ids=tokens[None]).logits[0].double()[where - 1]
+            logp = F.log_softmax(logits, dim=-1)
+            top2 = logits.topk(2, dim=-1).values
+            gap = float((top2[:, 0] - top2[:, 1]).min()) if len(targets) else float("inf")
+            stats[tuple(ids)] = (len(targets), int((logits.argmax(-1) == tokens[where]).sum()),
+                                 float(-(logp.exp() * logp).sum()), gap)
+    return stats
+
+
+def stock_token_metrics(rows: list[dict], kind: str, dp_size: int = 1, weights: dict | None = None) -> dict[str, float]:
+    """TRL's `mean_token_accuracy` and `entropy` for TRL's packed `rows` (`input_ids`, `seq_lengths`) in
+    epoch order, from the stock model on every document alone: per round of `dp_size` rows (row i on
+    replica i % dp_size) correct / targets and entropy / targets over the round, then the mean over the
+    rounds; `min_gap`: the closest top-2 logits of any target (a tie would make the accuracy ambiguous)."""
+    stats = stock_document_metrics(kind, weights)
+    accuracy, entropy = [], []
+    for start in range(0, len(rows), dp_size):
+        targets = correct = ent = 0.0
+        for row in rows[start:start + dp_size]:
+            for doc in torch.tensor(row["input_ids"]).split(list(row["seq_lengths"])):
+                n, c, e, _ = stats[tuple(doc.tolist())]
+                targets, correct, ent = targets + n, correct + c, ent + e
+        accuracy.append(correct / targets if targets else 0.0)
+        entropy.append(ent / targets if targets else 0.0)
+    return {"mean_token_accuracy": sum(accuracy) / len(accuracy), "entropy": sum(entropy) / len(entropy),
+            "min_gap": min(s[3] for s in stats.values())}

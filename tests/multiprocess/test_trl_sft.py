@@ -10,6 +10,12 @@ texts without TRL or the tokenizer. Training: the losses, gradient norms and fin
 cp = 2 (DDP) equal those of TRL's stock `SFTTrainer` with the stock `sdpa` model on the
 same packs (one optimizer step = one epoch, so the data order does not matter; SGD, no
 clipping, so a gradient scale error shows).
+
+TRL's token metrics: `mean_token_accuracy` and `entropy` (training logs and `eval_*`) equal
+those of the stock eager model on every document alone, averaged as TRL averages them (per
+micro-batch over every rank's packs, then over the micro-batches), and `num_tokens` counts every
+token of the texts once per epoch, not once per CP rank; the training logs also equal TRL's own
+(its fused LM head) in the stock `SFTTrainer`.
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ from trl import SFTTrainer  # noqa: E402
 
 from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
 from helpers.sft import (  # noqa: E402
-    ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, sft_config, sft_dataset, stock_loss,
+    ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, reference_documents, sft_config, sft_dataset, stock_loss,
+    stock_token_metrics,
 )
 from helpers.trainer import accelerate_env, counting_attention, quiet, tiny_model  # noqa: E402
 
 EVAL_TOL = 1e-5
 LOSS_TOL = 1e-5
+METRIC_TOL = 1e-5  # mean_token_accuracy and entropy, absolute
+MIN_GAP = 1e-5  # the reference's closest top-2 logits: above the kernels' rounding, so no argmax is a tie
 GRAD_NORM_TOL = 1e-4
 UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
 
@@ -45,8 +54,18 @@ def eval_case(rank, world_size, group, kind, cp_size, predict=False):
         ))
         metrics = trainer.evaluate()
         predicted = trainer.predict(data) if predict else None
+        rows = [{"input_ids": r["input_ids"], "seq_lengths": r["seq_lengths"]} for r in trainer.eval_dataset]
     targets = None if predicted is None else (int((predicted.label_ids != -100).sum()), predicted.metrics["test_loss"])
-    return metrics, sorted(set(query_rows)), targets
+    return metrics, sorted(set(query_rows)), targets, rows
+
+
+def assert_token_metrics(metrics: dict, want: dict, what: str, prefix: str = "") -> None:
+    """TRL's accuracy and entropy in `metrics` (keys `prefix` + name) against the stock reference `want`."""
+    assert want["min_gap"] > MIN_GAP, f"{what}: the reference's top-2 logits are {want['min_gap']:.1e} apart"
+    for name in ("mean_token_accuracy", "entropy"):
+        got = metrics.get(prefix + name)
+        assert got is not None and abs(got - want[name]) <= METRIC_TOL, (
+            f"{what}: {prefix}{name} is {got}; expected {want[name]} (stock model on every document alone)")
 
 
 @pytest.mark.parametrize(
@@ -55,11 +74,19 @@ def eval_case(rank, world_size, group, kind, cp_size, predict=False):
     ids=["pretokenized-dp1xcp2", "text-dp1xcp2", "pretokenized-dp2xcp2"],
 )
 def test_sharded_evaluate_equals_stock_loss_per_document(gloo, kind, world_size, cp_size):
+    """`eval_loss` and TRL's `eval_mean_token_accuracy` / `eval_entropy` (per round of one pack per DP
+    replica; at dp = 2 the odd last round has a fill pack, which must weigh 0); no training yet, so
+    `eval_num_tokens` (TRL's running count of training tokens) is 0."""
     want, _ = stock_loss(kind)
-    for rank, (metrics, query_rows, _) in enumerate(gloo(world_size).run(eval_case, timeout=240, kind=kind,
-                                                                        cp_size=cp_size)):
+    for rank, (metrics, query_rows, _, rows) in enumerate(gloo(world_size).run(eval_case, timeout=240, kind=kind,
+                                                                              cp_size=cp_size)):
         assert abs(metrics["eval_loss"] - want) <= EVAL_TOL * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
         assert query_rows == [MAX_LENGTH // cp_size], f"rank {rank}: attention query rows {query_rows}"
+        if world_size // cp_size == 2:
+            assert len(rows) % 2 == 1, f"{len(rows)} eval packs: the last dp = 2 round must have a fill pack"
+        reference = stock_token_metrics(rows, kind, dp_size=world_size // cp_size)
+        assert_token_metrics(metrics, reference, f"rank {rank}", prefix="eval_")
+        assert metrics["eval_num_tokens"] == 0, f"rank {rank}: eval_num_tokens {metrics['eval_num_tokens']}; expected 0"
 
 
 @pytest.mark.parametrize("kind", ["prompt_completion", "conversation"])
@@ -70,7 +97,7 @@ def test_masked_tokens_carry_no_loss(gloo, kind):
     want, targets = stock_loss(kind)
     everything, _ = stock_loss(kind, masked=False)  # the loss with the masked tokens in
     assert abs(want - everything) > 10 * EVAL_TOL * want, "the reference cannot tell the two losses apart"
-    for rank, (metrics, query_rows, (labelled, test_loss)) in enumerate(
+    for rank, (metrics, query_rows, (labelled, test_loss), _) in enumerate(
         gloo(2).run(eval_case, timeout=240, kind=kind, cp_size=2, predict=True)
     ):
         assert abs(metrics["eval_loss"] - want) <= EVAL_TOL * want, f"rank {rank}: eval_loss {metrics['eval_loss']} vs {want}"
@@ -82,18 +109,28 @@ def test_masked_tokens_carry_no_loss(gloo, kind):
 # --------------------------------------------------------------------------- training
 
 
+TOKEN_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
+
+
 def train_case(rank, world_size, group, cp_size, stock=False, **overrides):
+    """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training."""
     with accelerate_env(rank, world_size) as out:
         model = tiny_model("sdpa" if stock else "blockdiag_cp")
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         kwargs = dict(model=model, args=sft_config(out, **overrides), train_dataset=sft_dataset("text"),
                       processing_class=char_tokenizer())
-        trainer = quiet(SFTTrainer(**kwargs) if stock else BlockdiagCPSFTTrainer(**kwargs, cp_size=cp_size))
+        trainer = quiet(SFTTrainer(**kwargs) if stock else
+                        BlockdiagCPSFTTrainer(**kwargs, eval_dataset=sft_dataset("text"), cp_size=cp_size))
         trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
+        rows = {name: [{"input_ids": r["input_ids"], "seq_lengths": r["seq_lengths"]} for r in data]
+                for name, data in (("train", trainer.train_dataset), ("eval", trainer.eval_dataset))
+                if data is not None}
+        evaluated = None if stock else trainer.evaluate()
         return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
-                "weights": weights, "initial": initial, "packs": len(trainer.train_dataset)}
+                "weights": weights, "initial": initial, "packs": len(trainer.train_dataset), "rows": rows,
+                "metrics": [{k: h.get(k) for k in TOKEN_METRICS} for h in logs], "eval": evaluated}
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +138,16 @@ def stock_training(gloo):
     return gloo(1).run(train_case, timeout=240, cp_size=1, stock=True)[0]
 
 
-def test_training_matches_stock_sft_trainer(gloo, stock_training):
+@pytest.fixture(scope="module")
+def cp_training(gloo):
+    return gloo(2).run(train_case, timeout=240, cp_size=2)
+
+
+def test_training_matches_stock_sft_trainer(cp_training, stock_training):
     ref = stock_training
     assert len(ref["losses"]) == STEPS and ref["losses"][-1] < ref["losses"][0], ref["losses"]
     assert ref["packs"] <= ACCUMULATION, f"{ref['packs']} packs: an optimizer step must cover the epoch"
-    for rank, got in enumerate(gloo(2).run(train_case, timeout=240, cp_size=2)):
+    for rank, got in enumerate(cp_training):
         for step, (a, b) in enumerate(zip(got["losses"], ref["losses"], strict=True), start=1):
             assert abs(a - b) <= LOSS_TOL * abs(b), f"rank {rank} step {step}: loss {a} vs stock {b}"
         for step, (a, b) in enumerate(zip(got["grad_norms"], ref["grad_norms"], strict=True), start=1):
@@ -114,3 +156,24 @@ def test_training_matches_stock_sft_trainer(gloo, stock_training):
             update = (w_ref - ref["initial"][name]).abs().max()
             err = (got["weights"][name] - w_ref).abs().max()
             assert update > 0 and err <= UPDATE_TOL * update, f"rank {rank} {name}: {err:.3e} off, update {update:.3e}"
+
+
+def test_training_and_eval_log_trl_token_metrics(cp_training, stock_training):
+    """cp = 2: every training log has `num_tokens` = steps x the tokens of the texts (each document once
+    per epoch, not once per CP rank), the first step's accuracy and entropy are the stock model's on
+    every document alone (every step's equal TRL's own in the stock SFTTrainer), and `evaluate()` after
+    training gives the trained stock model's, with `eval_num_tokens` the tokens trained on."""
+    epoch_tokens = sum(len(ids) for ids, _ in reference_documents("text"))
+    at_start = stock_token_metrics(cp_training[0]["rows"]["train"], "text")
+    for rank, got in enumerate(cp_training):
+        assert [m["num_tokens"] for m in got["metrics"]] == [epoch_tokens * step for step in range(1, STEPS + 1)], (
+            f"rank {rank}: num_tokens {[m['num_tokens'] for m in got['metrics']]}; expected {epoch_tokens} per step")
+        assert_token_metrics(got["metrics"][0], at_start, f"rank {rank} step 1")
+        for step, (mine, stock) in enumerate(zip(got["metrics"], stock_training["metrics"], strict=True), start=1):
+            for name in TOKEN_METRICS:
+                assert abs(mine[name] - stock[name]) <= METRIC_TOL, (
+                    f"rank {rank} step {step}: {name} is {mine[name]}; stock SFTTrainer logs {stock[name]}")
+        trained = stock_token_metrics(got["rows"]["eval"], "text", weights=got["weights"])
+        assert trained["mean_token_accuracy"] > 0.1, f"the trained reference is too weak a check: {trained}"
+        assert_token_metrics(got["eval"], trained, f"rank {rank} evaluate", prefix="eval_")
+        assert got["eval"]["eval_num_tokens"] == epoch_tokens * STEPS, f"rank {rank}: {got['eval']}"

@@ -1,7 +1,8 @@
 """The TRL integration's parts in one process: the SFTConfig checks (raised at construction,
 before any model or data work), the collator that turns one of TRL's packed rows into a padded,
-sharded block-diagonal CP pack (compared with a pack built by hand), and the sampler that deals
-TRL's rows to the DP replicas."""
+sharded block-diagonal CP pack (compared with a pack built by hand), the sampler that deals
+TRL's rows to the DP replicas, and TRL's token metrics of one rank (the CP group's sum: the
+multiprocess tests)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hf_blockdiag_cp.integrations.trl import (  # noqa: E402
     check_sft_config,
     prepacked_dataloader,
 )
+from hf_blockdiag_cp.integrations.trl.metrics import token_metrics  # noqa: E402
 from hf_blockdiag_cp.step import SHARD_KEY, shard_batch  # noqa: E402
 from helpers.sft import char_tokenizer, sft_config, sft_dataset  # noqa: E402
 from helpers.trainer import tiny_model  # noqa: E402
@@ -127,3 +129,27 @@ def test_sampler_deals_every_row_once_per_epoch_to_the_replicas():
             assert replica.replica_repeats() == [False, False, dp_rank == 1]
     assert orders[0] != orders[1], "the epochs should be shuffled differently"
     assert list(PrepackedBatchSampler(lengths, 8, shuffle=False)) == [[0], [1], [2], [3], [4]]
+
+
+# --------------------------------------------------------------------------- token metrics, one rank
+
+
+def test_token_metrics_count_the_targets_and_the_real_tokens():
+    """Targets are the positions whose shifted label is not -100: accuracy = targets whose label is the
+    argmax, entropy = mean next-token entropy over them (TRL's definitions, computed here by hand);
+    `num_tokens` the non-padding tokens; a fill pack adds nothing; no logits (fused cross-entropy):
+    `num_tokens` only; no targets: 0.0, as TRL logs it."""
+    logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 3.0], [1.0, 1.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
+    labels = torch.tensor([[0, 1, -100, 2, -100]])  # targets at rows 0, 1, 3; only row 0's label is the argmax
+    document_ids = torch.tensor([[1, 1, 2, 2, 0]])
+    p = torch.softmax(logits[0, [0, 1, 3]].double(), -1)
+    entropy = float(-(p * p.log()).sum(-1).mean())
+    got = token_metrics(logits, labels, document_ids, world_size=1)
+    assert got["num_tokens"] == 4, f"num_tokens is {got['num_tokens']}; expected 4 (the non-padding tokens)"
+    assert abs(got["mean_token_accuracy"] - 1 / 3) <= 1e-12, f"mean_token_accuracy is {got['mean_token_accuracy']}"
+    assert abs(got["entropy"] - entropy) <= 1e-6, f"entropy is {got['entropy']}; expected {entropy}"
+    assert token_metrics(logits, labels, document_ids, 1, fill=True) == {
+        "num_tokens": 0, "mean_token_accuracy": 0.0, "entropy": 0.0}
+    assert token_metrics(None, labels, document_ids, 1) == {"num_tokens": 4}
+    none = torch.full_like(labels, -100)
+    assert token_metrics(logits, none, document_ids, 1) == {"num_tokens": 4, "mean_token_accuracy": 0.0, "entropy": 0.0}

@@ -98,7 +98,7 @@ class ShardedEvaluationMixin:
         started = time.time()
         loader = self.get_eval_dataloader(dataset)
         totals = torch.zeros(3, dtype=torch.float64)  # token-loss sum, targets, real tokens
-        for pack in self._sharded_forward(loader, with_logits=False):
+        for pack in self._sharded_forward(loader, with_logits=False, on_pack=self._eval_pack_done):
             totals += torch.tensor(pack["totals"], dtype=torch.float64)
         runtime = time.time() - started
         metrics = _loss_metrics(totals, self.cp_coordinates.world_size, runtime, metric_key_prefix, loader)
@@ -147,12 +147,17 @@ class ShardedEvaluationMixin:
         stack.enter_context(self.accelerator.autocast())
         return stack
 
-    def _sharded_forward(self, loader, with_logits: bool):
+    def _eval_pack_done(self, outputs, local: dict, fill: bool) -> None:
+        """Hook, on every rank after each pack's forward in `evaluate` (not `predict`): the model's
+        `outputs` and the shard step's `local` batch; `fill` for a pack that only fills the DP
+        replicas' last round (it must weigh 0). Nothing here; the TRL trainer records its token metrics."""
+
+    def _sharded_forward(self, loader, with_logits: bool, on_pack=None):
         """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under
         CP. Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs
         that only fill the DP replicas' last round), and with `with_logits` the pack's logits and
         shifted labels in pack order (gathered over the CP group) and its index in the epoch (None for
-        a fill pack)."""
+        a fill pack). `on_pack(outputs, local, fill)` is called after each forward."""
         sampler = loader.batch_sampler
         repeats = sampler.replica_repeats()
         cp = resolve_cp_group(self.cp_mesh)
@@ -170,6 +175,8 @@ class ShardedEvaluationMixin:
                     local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
                     with train_ctx():
                         out = model(**local)
+                    if on_pack is not None:
+                        on_pack(out, local, bool(repeat))
                     targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
                     pack = {"totals": [0.0, 0, 0] if repeat else
                             [float(out.loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())]}

@@ -1,6 +1,7 @@
 """TRL integration: `BlockdiagCPSFTTrainer`, TRL's `SFTTrainer` with packed SFT under exact
-block-diagonal CP (`sft`), and the loader that turns TRL's packed rows into sharded packs
-(`packs`). Needs the `[trl]` extra (trl >= 1.16)."""
+block-diagonal CP (`sft`), the loader that turns TRL's packed rows into sharded packs
+(`packs`), and TRL's token metrics combined over the CP group (`metrics`). Needs the `[trl]`
+extra (trl >= 1.16)."""
 
 try:
     import trl  # noqa: F401

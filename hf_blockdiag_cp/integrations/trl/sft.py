@@ -14,7 +14,12 @@ accelerate's CP stays off (the mixin refuses a `parallelism_config` with CP) and
 the mixin's dp x cp mesh, so TRL's check never fires.
 
 The loss is the model's own, as in `BlockdiagCPTrainer`: TRL's `compute_loss` (its fused LM head,
-`loss_type="dft"`, the `entropy` / `mean_token_accuracy` / `num_tokens` metrics) is not used.
+`loss_type="dft"`) is not used. TRL's metrics are logged as TRL logs them: `num_tokens` (the
+real tokens trained on so far, each pack's once, not once per CP rank), `mean_token_accuracy`
+and `entropy` (over the targets, label != -100, of every rank's shard, combined over the CP group
+and the DP replicas: `metrics.token_metrics`), in training logs and as `eval_*` in `evaluate`'s
+metrics. Accuracy and entropy need the model's logits: with Liger's fused cross-entropy
+(`enable_fused_cross_entropy`) training builds none, so training logs then hold `num_tokens` only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
 from ...config import CPConfig
+from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
+from .metrics import token_metrics
 from .packs import prepacked_dataloader
 
 
@@ -113,14 +120,46 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         return self._prepare_dataset(dataset, self.processing_class, self.args, packing, self._formatting_func, name)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Sharded evaluation (the mixin's): `{prefix}_loss` is the token-weighted loss over every eval target."""
+        """Sharded evaluation (the mixin's): `{prefix}_loss` is the token-weighted loss over every eval
+        target; TRL's `log` adds `eval_num_tokens`, `eval_mean_token_accuracy` and `eval_entropy`."""
         if isinstance(eval_dataset, dict):  # prepare each part once, then evaluate it under its own prefix
             metrics: dict[str, float] = {}
             for name, part in eval_dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        return super().evaluate(self._prepared(eval_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)
+        was_training = self.model.training
+        self.model.eval()  # TRL's `log` files metrics by the model's mode: the eval ones, as in the stock evaluation
+        try:
+            return super().evaluate(self._prepared(eval_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)
+        finally:
+            self.model.train(was_training)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         """Sharded prediction (the mixin's) on `test_dataset` prepared like eval data: logits of every pack."""
         return super().predict(self._prepared(test_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The mixin's loss (the model's own under CP), and TRL's token metrics of the step recorded."""
+        if STEP_KWARG not in inputs:  # not a CP step: the mixin's stock path (TRL's compute_loss)
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        self._record_token_metrics("train" if self.model.training else "eval", outputs, inputs, fill=False)
+        return (loss, outputs) if return_outputs else loss
+
+    def _eval_pack_done(self, outputs, local: dict, fill: bool) -> None:
+        """The mixin's hook after each sharded eval pack: TRL's eval token metrics."""
+        self._record_token_metrics("eval", outputs, local, fill)
+
+    def _record_token_metrics(self, mode: str, outputs, local: dict, fill: bool) -> None:
+        """Into `self._metrics[mode]` as TRL's `compute_loss` records them: one accuracy and one entropy
+        per step (TRL's `log` averages them), `num_tokens` the running total of training tokens."""
+        logits = outputs.get("logits") if isinstance(outputs, dict) else None
+        metrics = token_metrics(logits, local["shift_labels"], local["document_ids"],
+                                self.cp_coordinates.world_size, fill)
+        if mode == "train":
+            self._total_train_tokens += metrics["num_tokens"]
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        for key in ("mean_token_accuracy", "entropy"):
+            if key in metrics:
+                self._metrics[mode][key].append(metrics[key])
