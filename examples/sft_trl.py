@@ -36,7 +36,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from train_packed import (  # the main job, same folder: its argument checks, model and outputs
+from shared_args import (  # same folder: the examples' argument checks
     OneLineParser,
     add_cp_config_arguments,
     check_launch,
@@ -45,9 +45,8 @@ from train_packed import (  # the main job, same folder: its argument checks, mo
     cp_config,
     layout_error,
     loaded,
-    tiny_config,
-    write_outputs,
 )
+from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 from trainer_packed import add_schedule_arguments, run_metrics, training_arguments  # the Trainer example, same folder
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")

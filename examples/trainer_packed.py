@@ -42,16 +42,8 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
-from train_packed import (  # the main job, same folder: its model, argument checks and outputs
-    OneLineParser,
-    add_cp_config_arguments,
-    check_launch,
-    check_ranges,
-    cp_config,
-    loaded,
-    tiny_config,
-    write_outputs,
-)
+from shared_args import OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded  # same folder
+from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 
 
 def add_schedule_arguments(p) -> None:

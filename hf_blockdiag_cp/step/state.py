@@ -43,18 +43,21 @@ class StepChoices:
     kv_exchange: str
     requested_kv_exchange: str | None  # as configured ("auto" or an exchange name; None: unknown)
     layout: str
+    overlap: bool = False  # the exchange ran overlapped with attention (CPConfig.overlap)
 
     def describe(self) -> str:
         kernels = ", ".join(self.kernels) or "none"
         exchange = self.requested_kv_exchange or self.kv_exchange
         return (
             f"blockdiag_cp runs kernel {kernels} (attn_backend={self.attn_backend!r}), K/V exchange "
-            f"{self.kv_exchange} (kv_exchange={exchange!r}), layout {self.layout}"
+            f"{self.kv_exchange}{' overlapped with attention' if self.overlap else ''} (kv_exchange={exchange!r}), "
+            f"layout {self.layout}"
         )
 
     def as_logs(self) -> dict[str, str]:
-        """The choices as Trainer log entries."""
-        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": self.kv_exchange, "cp_layout": self.layout}
+        """The choices as Trainer log entries (`cp_kv_exchange` ends in `+overlap` when it overlapped attention)."""
+        exchange = self.kv_exchange + ("+overlap" if self.overlap else "")
+        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": exchange, "cp_layout": self.layout}
 
 
 @functools.cache
@@ -276,7 +279,7 @@ class CPStep:
             if isinstance(key, tuple) and key[:1] == (KERNEL_CACHE_KEY,)
         }
         return StepChoices(tuple(sorted(kernels)), self.attn_backend, self.kv_exchange, self.requested_kv_exchange,
-                           self.layout.strategy)
+                           self.layout.strategy, self.overlap is not None)
 
     @property
     def local_len(self) -> int:

@@ -9,7 +9,6 @@ embedded corpus) are in unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from hf_blockdiag_cp.kernels import kernel_names
 from helpers.scripts import finish as _finish
 from helpers.scripts import free_port as _free_port
+from helpers.scripts import load_script
 from helpers.scripts import start as _start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,10 +37,7 @@ RUN_TIMEOUT = 300
 
 
 def _example_module():
-    spec = importlib.util.spec_from_file_location("train_packed_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE, "train_packed_example")
 
 
 def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
@@ -74,10 +71,12 @@ def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
-def test_cp2_run_matches_one_process_and_reference(tmp_path, arch):
-    """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP."""
-    args = [*ARGS, "--tiny-arch", arch]
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", False), ("qwen3_5", True)],
+                         ids=["llama", "qwen3_5", "qwen3_5-overlap"])
+def test_cp2_run_matches_one_process_and_reference(tmp_path, arch, overlap):
+    """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP,
+    and with `--overlap` its full-attention layers' all-gather overlapped with attention."""
+    args = [*ARGS, "--tiny-arch", arch, *(["--overlap"] if overlap else [])]
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     one = _start([sys.executable, str(EXAMPLE), *args, "--output-dir", str(one_dir)], tmp_path / "one.log")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -95,10 +94,11 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, arch):
     assert len(single["losses"]) == len(cp2["losses"]) == STEPS
     assert cp2["tokens_per_second"] > 0 and 0 < cp2["packing_efficiency"] <= 1
     assert (two_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    said = "blockdiag_cp runs kernel dense (attn_backend='auto'), K/V exchange allgather (kv_exchange='allgather'), " \
+    said = "blockdiag_cp runs kernel dense (attn_backend='auto'), K/V exchange allgather{} (kv_exchange='allgather'), " \
            "layout contiguous"  # on CPU `auto` runs dense; said once, by the main rank
-    for log in ("one.log", "two.log"):
-        assert (tmp_path / log).read_text().count(said) == 1, log  # on stderr, next to the progress bar
+    for log, overlapped in (("one.log", False), ("two.log", overlap)):  # one process has no exchange to overlap
+        text = (tmp_path / log).read_text()
+        assert text.count(said.format(" overlapped with attention" if overlapped else "")) == 1, log  # on stderr
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
@@ -123,6 +123,8 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
         ("trainer_packed.py", 1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("train_packed.py", 1, ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
         ("trainer_packed.py", 0, ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
+        ("train_packed.py", 1, ["--overlap", "--kv-exchange", "a2a"],
+         "--overlap with --kv-exchange='a2a': overlap=True needs a kv_exchange that can overlap attention"),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):

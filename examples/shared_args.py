@@ -1,0 +1,128 @@
+"""Command-line helpers the example scripts share: one-line argument errors, the `CPConfig` flags,
+size checks, and the launch check every worker runs before any collective or load.
+
+Every rank sees the same command line and world size, so every rank reaches the same verdict: a
+bad argument ends the run on every rank with one `error:` line and exit status 2, never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import NoReturn
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
+from hf_blockdiag_cp.kernels import kernel_names
+from hf_blockdiag_cp.planning import exchange_names, layout_strategies
+
+
+def fail(reason: str) -> NoReturn:
+    """End this rank with `error: <reason>` as one line on stderr and exit status 2. Every rank
+    prints it: a rank that waited for rank 0 to print could be killed by the launcher first."""
+    sys.stdout.flush()
+    print(f"error: {reason}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument as `error: <reason>` alone (no usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(message)
+
+
+def add_cp_config_arguments(parser) -> None:
+    """--attn-backend, --kv-exchange, --layout, --overlap: the fields of the run's `CPConfig` (`cp_config`)."""
+    parser.add_argument("--attn-backend", default="auto", help="blockdiag_cp kernel: auto, dense, flex, varlen, fa4, "
+                        "flash, te")
+    parser.add_argument("--kv-exchange", default="allgather", help="K/V exchange: allgather, halo, a2a, auto")
+    parser.add_argument("--layout", default="contiguous", help="how packs are sharded: contiguous, balanced")
+    parser.add_argument("--overlap", action="store_true", help="attend over local keys while the K/V all-gather runs "
+                        "(CPConfig.overlap)")
+
+
+# The CPConfig fields set from the command line: (field, what a valid value is, its accepted names).
+CONFIG_FIELDS = (
+    ("attn_backend", "a kernel", lambda: ("auto", *kernel_names())),
+    ("kv_exchange", "a K/V exchange", lambda: ("auto", *exchange_names())),
+    ("layout", "a layout", layout_strategies),
+)
+
+
+def cp_config(args) -> bdcp.CPConfig:
+    return bdcp.CPConfig(attn_backend=args.attn_backend, kv_exchange=args.kv_exchange, layout=args.layout,
+                         overlap=args.overlap)
+
+
+def config_error(args) -> str | None:
+    """Why --attn-backend, --kv-exchange or --layout names nothing this installation has, or the flags
+    cannot go together (--overlap with an exchange that cannot overlap), or None."""
+    for field, what, accepted in CONFIG_FIELDS:
+        value = getattr(args, field)
+        try:
+            bdcp.CPConfig(**{field: value})
+        except (TypeError, ValueError):
+            return f"--{field.replace('_', '-')}={value!r} is not {what}; accepted: {', '.join(accepted())}"
+    try:
+        cp_config(args)
+    except ValueError as exc:
+        return f"--overlap with --kv-exchange={args.kv_exchange!r}: {exc}"
+    return None
+
+
+def check_ranges(parser, args, positive=(), non_negative=()) -> None:
+    """`parser.error` naming the first flag in `positive` that is <= 0 or in `non_negative` that is < 0."""
+    for names, ok, expected in ((positive, lambda v: v > 0, "positive"), (non_negative, lambda v: v >= 0, ">= 0")):
+        for name in names:
+            if not ok(getattr(args, name)):
+                parser.error(f"--{name.replace('_', '-')} must be {expected}; got {getattr(args, name)}")
+
+
+def layout_error(args, world_size: int, pack_flag: str = "max_tokens") -> str | None:
+    """Why `args` cannot run on `world_size` processes (dp x cp), or None; `pack_flag`: the pack-size flag."""
+    cp = world_size if args.cp_size is None else args.cp_size
+    if cp <= 0 or world_size % cp:
+        return f"--cp-size={cp} must be a positive divisor of the number of processes ({world_size})"
+    dp = world_size // cp
+    if args.packs_per_step % dp:
+        return f"--packs-per-step={args.packs_per_step} must be divisible by dp={dp} (processes {world_size} / cp {cp})"
+    pack = getattr(args, pack_flag)
+    if pack % (2 * cp):
+        return f"--{pack_flag.replace('_', '-')}={pack} must be a multiple of 2*cp={2 * cp}"
+    return None
+
+
+def loaded(what: str, load, *args):
+    """`load(*args)`, or `fail` with one line when the model or data named on the command line cannot
+    be loaded (every rank loads the same, so every rank fails alike)."""
+    try:
+        return load(*args)
+    except (ValueError, OSError) as exc:
+        fail(f"{what}: {exc}")
+
+
+def argument_error(args, world_size: int) -> str | None:
+    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
+    return layout_error(args, world_size) or config_error(args)
+
+
+def check_launch(args, errors=argument_error) -> int:
+    """The world size, after checking the launch and `args` against it (`errors(args, world_size)`
+    gives the reason a value cannot run, or None); on a problem, `fail`.
+
+    Runs in every worker before any process group exists, any model or data is loaded, and needs
+    no collective: every rank sees the same command line and world size, so every rank reaches the
+    same verdict and a bad argument ends the run at once instead of one rank hanging in a collective.
+    Then the main rank shows the library's INFO lines (which kernel, exchange and layout run).
+    """
+    world_size = launched_world_size()
+    reason = launch_error(sys.argv) or errors(args, world_size)
+    if reason is not None:
+        fail(reason)
+    if int(os.environ.get("RANK", "0")) == 0:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("hf_blockdiag_cp").setLevel(logging.INFO)
+    return world_size
