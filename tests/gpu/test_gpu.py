@@ -21,17 +21,18 @@ GPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 7}))
 
 
-def _config(backend: str, exchange: str = "allgather") -> bdcp.CPConfig:
-    return bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange)
+def _config(backend: str, exchange: str = "allgather", overlap: bool = False) -> bdcp.CPConfig:
+    return bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, overlap=overlap)
 
 
-def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES, exchange="allgather"):
+def bf16_parity_case(rank, world_size, group, backend, layout="straddle", families=FAMILIES, exchange="allgather",
+                     overlap=False, head_dim=GPU_MODEL["head_dim"]):
     """Errors vs the fp32 unpacked reference: CP in bf16 and the stock model in bf16 (eager, per document)."""
     torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False
     out = {}
     for family, overrides in families:
-        ref32, model = build_models(family, **GPU_MODEL, **overrides)
+        ref32, model = build_models(family, **{**GPU_MODEL, "head_dim": head_dim}, **overrides)
         ref32 = ref32.cuda()
         docs, batch = make_pack(layout, world_size)
         docs_cuda = [d.cuda() for d in docs]
@@ -39,7 +40,7 @@ def bf16_parity_case(rank, world_size, group, backend, layout="straddle", famili
         stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
         loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
         model = model.cuda().to(torch.bfloat16)
-        loss_cp, grads_cp, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend, exchange))
+        loss_cp, grads_cp, _ = cp_loss_and_grads(model, batch, group, world_size, _config(backend, exchange, overlap))
         out[family] = bf16_errors((loss32, grads32), (loss_s, grads_s), (loss_cp, grads_cp))
     return out
 
@@ -81,6 +82,19 @@ def test_bf16_parity_gloo_on_gpu(gloo, backend, world_size, layout):
 def test_bf16_parity_heads_exchange_on_gpu(gloo, backend, world_size, layout):
     """The head-parallel exchange: the kernel over the whole pack for H/G heads (kv heads < G at G = 4)."""
     assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, exchange="heads"))
+
+
+@pytest.mark.parametrize("backend", ["fa4", "varlen", "flex", "dense"])
+@pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (4, "span_all"), (4, "padding_rank")])
+def test_bf16_parity_overlap_on_gpu(gloo, backend, world_size, layout):
+    """CPConfig(overlap=True): each kernel on both query parts (local keys during the all-gather, the
+    gathered rows after it); fa4 at head dim 64, the dim it was verified at."""
+    head_dim = 64 if backend == "fa4" else GPU_MODEL["head_dim"]
+    reason = unsupported_reason(backend, torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
+    if reason is not None:
+        pytest.skip(reason)
+    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, overlap=True,
+                                     head_dim=head_dim))
 
 
 @pytest.mark.parametrize("world_size", [2])
