@@ -40,7 +40,7 @@ def add_cp_config_arguments(parser) -> None:
                         "flash, te")
     parser.add_argument("--kv-exchange", default="allgather", help="K/V exchange: allgather, halo, a2a, auto")
     parser.add_argument("--layout", default="contiguous", help="how packs are sharded: contiguous, balanced")
-    parser.add_argument("--overlap", action="store_true", help="attend over local keys while the K/V all-gather runs "
+    parser.add_argument("--overlap", action="store_true", help="attend over local keys while the K/V exchange runs "
                         "(CPConfig.overlap)")
 
 

@@ -45,9 +45,8 @@ class CPConfig:
       named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
     overlap: run the attention of the queries whose keys are all on their own rank while the K/V
       exchange is in flight, and the rest after it; in backward, the reverse collective runs under
-      the first part's backward (`planning.overlap`). Exact like the plain order; it applies to
-      exchanges that can overlap (`allgather`), so a named exchange that cannot is refused, and
-      under `auto` a step that chose another exchange runs it in order.
+      the first part's backward (`planning.overlap`). Exact like the plain order; the K/V exchanges
+      (`allgather`, `halo`, `a2a`: records with `begin`) can overlap, `heads` cannot and is refused.
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """

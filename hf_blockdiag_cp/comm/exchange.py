@@ -4,27 +4,21 @@
 K and V travel together in one collective: each rank packs its rows as
 `[L, Hkv*Dk + Hkv*Dv]` (so unequal head dims and un-repeated GQA heads cost nothing extra).
 
-`routed_transport` is the differentiable transport of the exchanges that return exactly the
-keys a rank needs (`RankRoutes`, planned in `planning.exchange_plan`), in increasing pack
-position: own rows are copied, foreign rows travel by the exchange's collective; backward runs
-the same collective in reverse on the output gradients and accumulates them into the local
+`routed_exchange` builds the transport (and the overlap's `begin`) of the exchanges that return
+exactly the keys a rank needs (`RankRoutes`, planned in `planning.exchange_plan`), in increasing
+pack position: own rows are copied, foreign rows travel by the exchange's collective; backward
+runs the same collective in reverse on the output gradients and accumulates them into the local
 rows (a row needed by several ranks gets every rank's contribution).
 
-Every exchange is one autograd function: its collective runs (and is waited for) in forward,
-the reverse one in backward. Every buffer handed to a collective is allocated contiguous here:
-gloo writes contiguous bytes into receive buffers whatever their strides, which silently
-corrupts gradients when a buffer inherits odd strides from an incoming gradient.
-
-The functions hold their process group weakly (`group_ref`): autograd keeps a function's
-context as long as the graph, and after an error a graph can outlive the step in a cycle
-through C++ (a non-reentrant checkpoint's saved-tensor hooks), which would keep a destroyed
-gloo group's sockets open and leave the peers of a failed rank waiting (I5). Every collective
-runs through `failure.guarded` (see there).
+Every exchange moves its rows through a `pending.PendingExchange` (see there): one autograd
+function whose collective runs and is waited for in forward, the reverse in backward, or the
+same started without waiting for overlap. Every buffer handed to a collective is allocated
+contiguous. The functions hold their process group weakly (`group.group_ref`), and every
+collective runs through `failure.guarded` (see there).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,10 +27,12 @@ import torch.distributed as dist
 
 from ..planning.exchange_plan import RankRoutes
 from ..planning.exchange_registry import get_exchange
-from .failure import guarded
+from .group import group_ref
+from .pending import PendingExchange
 
-# collective(recv, recv_counts, send, send_counts, group): rows grouped by peer, counts per peer.
-RoutedCollective = Callable[[torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...], Any], None]
+# collective(recv, recv_counts, send, send_counts, group, async_op): rows grouped by peer, counts per peer;
+# asynchronous, it returns its work(s) (`PendingExchange.launch`).
+RoutedCollective = Callable[[torch.Tensor, tuple[int, ...], torch.Tensor, tuple[int, ...], Any, bool], Any]
 
 
 def all_gather_single(out, inp, group, async_op: bool = False):
@@ -91,81 +87,86 @@ def grads_or_zeros(grad_k, grad_v, rows: int, k_shape, v_shape):
     return grad_k, grad_v
 
 
-def group_ref(group):
-    """A weak reference to `group` for an autograd context (None: the default group)."""
-    return None if group is None else weakref.ref(group)
-
-
-def resolve_group(ref):
-    """The group behind `group_ref`'s reference; raise if it was released meanwhile."""
-    if ref is None:
-        return None
-    group = ref()
-    if group is None:
-        raise RuntimeError("blockdiag_cp: the CP process group was released while a backward collective still needed it")
-    return group
-
-
 # --------------------------------------------------------------------------- needed rows along routes
 
 
-class _Routed(torch.autograd.Function):
-    """Forward: the needed rows (own rows copied, foreign rows received). Backward: the reverse
-    collective of their gradients, accumulated into the local rows."""
+class PendingRouted(PendingExchange):
+    """Forward: the needed rows (own rows copied, foreign rows received by the exchange's collective).
+    Backward: the reverse collective of their gradients, accumulated into the local rows (a row
+    needed by several ranks gets every rank's contribution)."""
 
-    @staticmethod
-    def forward(ctx, k, v, routes: RankRoutes, collective, what: str, ref, meter):
-        ctx.routes, ctx.collective, ctx.what, ctx.group_ref, ctx.meter = routes, collective, what, ref, meter
-        ctx.k_shape, ctx.v_shape = tuple(k.shape), tuple(v.shape)
+    def __init__(self, name: str, collective: RoutedCollective, routes: RankRoutes, ref, world_size: int, meter):
+        super().__init__(ref, world_size, meter)
+        self.routes, self.collective = routes, collective
+        self.what, self.what_backward = f"{name} exchange", f"{name} exchange backward"
+
+    def start_forward(self, k, v) -> None:
+        routes = self.routes
         packed = pack_rows(k, v)
         out = packed.new_empty((routes.num_keys, packed.shape[1]))
         out.index_copy_(0, routes.local_out, packed.index_select(0, routes.local_rows))
-        if routes.any_traffic:
-            send = packed.index_select(0, routes.send_rows).contiguous()
-            recv = packed.new_empty((sum(routes.recv_counts), packed.shape[1]))
-            group = resolve_group(ref)
-            guarded(what, group, collective, recv, routes.recv_counts, send, routes.send_counts, group)
-            out.index_copy_(0, routes.recv_out, recv)
-            if meter is not None:
-                meter.forward_bytes += recv.shape[0] * row_bytes(recv)
-        if meter is not None:
-            meter.calls += 1
+        if self.meter is not None:
+            self.meter.calls += 1
+        if not routes.any_traffic:
+            self.keep((out, None))
+            return
+        send = packed.index_select(0, routes.send_rows).contiguous()
+        recv = packed.new_empty((sum(routes.recv_counts), packed.shape[1]))
+        self.launch(self.what, self.collective, recv, routes.recv_counts, send, routes.send_counts, state=(out, recv, send))
+        if self.meter is not None:
+            self.meter.forward_bytes += recv.shape[0] * row_bytes(recv)
+
+    def finish_forward(self, state):
+        out, recv = state[0], state[1]
+        if recv is not None:
+            out.index_copy_(0, self.routes.recv_out, recv)
         rows = out.shape[0]
-        return unpack_rows(out, (rows,) + ctx.k_shape[1:], (rows,) + ctx.v_shape[1:])
+        return unpack_rows(out, (rows,) + self.k_shape[1:], (rows,) + self.v_shape[1:])
 
-    @staticmethod
-    def backward(ctx, grad_k, grad_v):
-        routes = ctx.routes
-        grad_k, grad_v = grads_or_zeros(grad_k, grad_v, routes.num_keys, ctx.k_shape, ctx.v_shape)
-        g = pack_rows(grad_k, grad_v)
-        grad = g.new_zeros((ctx.k_shape[0], g.shape[1]))
+    def start_backward(self, grad_k, grad_v) -> None:
+        routes = self.routes
+        g = pack_rows(*grads_or_zeros(grad_k, grad_v, routes.num_keys, self.k_shape, self.v_shape))
+        grad = g.new_zeros((self.k_shape[0], g.shape[1]))
         grad.index_add_(0, routes.local_rows, g.index_select(0, routes.local_out))
-        if routes.any_traffic:
-            send_back = g.index_select(0, routes.recv_out).contiguous()
-            back = g.new_empty((sum(routes.send_counts), g.shape[1]))
-            group = resolve_group(ctx.group_ref)
-            guarded(f"{ctx.what} backward", group, ctx.collective, back, routes.send_counts, send_back, routes.recv_counts, group)
-            grad.index_add_(0, routes.send_rows, back)
-            if ctx.meter is not None:
-                ctx.meter.backward_bytes += back.shape[0] * row_bytes(back)
-        gk, gv = unpack_rows(grad, ctx.k_shape, ctx.v_shape)
-        return gk, gv, None, None, None, None, None
+        if not routes.any_traffic:
+            self.keep((grad, None))
+            return
+        send_back = g.index_select(0, routes.recv_out).contiguous()
+        back = g.new_empty((sum(routes.send_counts), g.shape[1]))
+        self.launch(self.what_backward, self.collective, back, routes.send_counts, send_back, routes.recv_counts,
+                    state=(grad, back, send_back))
+        if self.meter is not None:
+            self.meter.backward_bytes += back.shape[0] * row_bytes(back)
+
+    def finish_backward(self, state):
+        grad, back = state[0], state[1]
+        if back is not None:
+            grad.index_add_(0, self.routes.send_rows, back)
+        return unpack_rows(grad, self.k_shape, self.v_shape)
 
 
-def routed_transport(name: str, collective: RoutedCollective):
-    """The transport of exchange `name`, which moves the rows of its `RankRoutes` with
-    `collective(recv, recv_counts, send, send_counts, group)` (and back in backward)."""
+def routed_exchange(name: str, collective: RoutedCollective):
+    """The transport and the overlap's `begin` of exchange `name`, which moves the rows of its
+    `RankRoutes` with `collective(recv, recv_counts, send, send_counts, group, async_op)` (and back in
+    backward); an asynchronous call returns its work(s)."""
 
-    def transport(k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
+    def pending(group, world_size: int, routes: RankRoutes | None, meter) -> PendingRouted:
         if routes is None:
             raise ValueError(f"kv_exchange={name!r} needs the step's routes (CPStep.kv_routes); build the step with an exchange plan")
         if routes.cp_size != world_size:
             raise ValueError(f"kv_exchange={name!r}: routes were planned for {routes.cp_size} ranks, the group has {world_size}")
-        return _Routed.apply(k, v, routes, collective, f"{name} exchange", group_ref(group), meter)
+        return PendingRouted(name, collective, routes, group_ref(group), world_size, meter)
 
-    transport.__name__ = f"{name}_transport"
+    def transport(k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
+        return pending(group, world_size, routes, meter).run(k, v)
+
+    def begin(k, v, group, world_size: int, routes: RankRoutes | None = None, meter: ExchangeMeter | None = None):
+        return pending(group, world_size, routes, meter).begin(k, v)
+
+    transport.__name__, begin.__name__ = f"{name}_transport", f"{name}_begin"
     transport.__doc__ = f"The keys this rank needs, `[K, Hkv, D]` in pack order, by the {name} exchange."
-    return transport
+    begin.__doc__ = f"The {name} exchange started without waiting (overlap); `.wait(out)` collects it."
+    return transport, begin
 
 
 def exchange_kv(name: str, k, v, group, world_size: int, routes=None, meter: ExchangeMeter | None = None):

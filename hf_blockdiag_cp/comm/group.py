@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,3 +50,23 @@ def group_spans_nodes(group) -> bool:
         return False
     per_node = int(local)
     return len({r // per_node for r in dist.get_process_group_ranks(group)}) > 1
+
+
+def group_ref(group):
+    """A weak reference to `group` for an autograd context (None: the default group).
+
+    Autograd keeps a function's context as long as the graph, and after an error a graph can
+    outlive the step in a cycle through C++ (a non-reentrant checkpoint's saved-tensor hooks):
+    a strong reference would keep a destroyed gloo group's sockets open and leave the peers of a
+    failed rank waiting (I5)."""
+    return None if group is None else weakref.ref(group)
+
+
+def resolve_group(ref):
+    """The group behind `group_ref`'s reference; raise if it was released meanwhile."""
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError("blockdiag_cp: the CP process group was released while a backward collective still needed it")
+    return group

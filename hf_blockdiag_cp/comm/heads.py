@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .exchange import ExchangeMeter, group_ref, resolve_group
+from .exchange import ExchangeMeter
+from .group import group_ref, resolve_group
 from .failure import guarded
 
 

@@ -58,7 +58,7 @@ class ExchangeRecord:
     unsupported_reason(exchange_plan) -> str | None: why the exchange cannot serve a layout (None:
       any layout). An explicit request it cannot serve runs `fallback` (None: raise).
     begin(k, v, group, world_size, routes, meter) -> pending: the transport started without waiting
-      (None: the exchange cannot overlap); `pending.wait(out)` returns `(k_rows, v_rows, out)`,
+      (`comm.pending`; None: the exchange cannot overlap); `pending.wait(out)` returns `(k_rows, v_rows, out)`,
       the rows `transport` returns and `out` (the attention computed meanwhile) unchanged. Its
       backward starts the reverse collective once the rows' and `out`'s gradients are in, and
       waits for it only after `out`'s own backward ran (`CPConfig.overlap`, `planning.overlap`).

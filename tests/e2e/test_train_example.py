@@ -123,8 +123,8 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
         ("trainer_packed.py", 1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("train_packed.py", 1, ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
         ("trainer_packed.py", 0, ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
-        ("train_packed.py", 1, ["--overlap", "--kv-exchange", "a2a"],
-         "--overlap with --kv-exchange='a2a': overlap=True needs a kv_exchange that can overlap attention"),
+        ("train_packed.py", 1, ["--overlap", "--kv-exchange", "heads"],
+         "--overlap with --kv-exchange='heads': overlap=True needs a kv_exchange that can overlap attention"),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):

@@ -2,8 +2,9 @@
 (test_cp_parity_matrix.py) and the feature families (test_model_parity.py) check its exactness;
 here, what the overlap itself promises:
 
-- the order: the local part attends between the start and the end of the all-gather, and in
-  backward the reduce-scatter starts before the local part's backward and is waited for after it;
+- the order: the local part attends between the start and the end of the exchange (all-gather,
+  all-to-all-v), and in backward the reverse collective starts before the local part's backward
+  and is waited for after it;
 - the bytes: the step's meter counts the plan's bytes, as without overlap;
 - a rank whose every query reads the gathered rows, one whose queries read none, and frozen K/V
   projections (no reduce-scatter at all): every rank finishes, gradients exact;
@@ -17,7 +18,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.attention import entry
-from hf_blockdiag_cp.comm.exchanges import allgather
+from hf_blockdiag_cp.comm.pending import PendingExchange
 from helpers.packs import make_pack
 from helpers.parity import exchange_step_case
 from helpers.reference import build_models, compare_with_reference, reference_loss_and_grads
@@ -25,19 +26,19 @@ from helpers.reference import build_models, compare_with_reference, reference_lo
 TOL = 1e-4
 
 
-def _events_case(rank, world_size, group):
+def _events_case(rank, world_size, group, exchange):
     """This rank's sequence of collective starts / waits and attention parts, forward and backward,
     for one llama step with activation checkpointing on the straddle pack."""
     events = []
-    start, finish, attend = allgather.PendingGather.start, allgather.PendingGather.finish, entry.local_attention
+    launch, collect, attend = PendingExchange.launch, PendingExchange.collect, entry.local_attention
 
-    def traced_start(self, what, *args):
+    def traced_launch(self, what, *args, **kwargs):
         events.append(f"start {what}")
-        return start(self, what, *args)
+        return launch(self, what, *args, **kwargs)
 
-    def traced_finish(self, what):
-        events.append(f"wait {what}")
-        return finish(self, what)
+    def traced_collect(self):
+        events.append(f"wait {self.in_flight}")
+        return collect(self)
 
     def traced_attend(step, q, k, v, **kwargs):
         part = "local" if kwargs.get("part") is step.overlap.local else "remote"
@@ -45,39 +46,44 @@ def _events_case(rank, world_size, group):
         q.register_hook(lambda grad: events.append(f"backward {part}"))
         return attend(step, q, k, v, **kwargs)
 
-    allgather.PendingGather.start, allgather.PendingGather.finish = traced_start, traced_finish
+    PendingExchange.launch, PendingExchange.collect = traced_launch, traced_collect
     entry.local_attention = traced_attend
     try:
         _, model = build_models("llama")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _, batch = make_pack("straddle", world_size)
-        config = bdcp.CPConfig(attn_backend="dense", overlap=True)
+        config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=True)
         train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
         with train_ctx() as step:
             model(**local).loss.backward()
         return events, step.overlap.local is not None, step.overlap.remote is not None
     finally:
-        allgather.PendingGather.start, allgather.PendingGather.finish = start, finish
+        PendingExchange.launch, PendingExchange.collect = launch, collect
         entry.local_attention = attend
 
 
-def test_local_attention_runs_while_the_collectives_are_in_flight(gloo):
+@pytest.mark.parametrize("exchange,names", [("allgather", ("all-gather", "reduce-scatter")),
+                                            ("a2a", ("a2a exchange", "a2a exchange backward"))])
+def test_local_attention_runs_while_the_collectives_are_in_flight(gloo, exchange, names):
     layers = build_models("llama")[1].config.num_hidden_layers
-    results = gloo(2).run(_events_case)
+    results = gloo(2).run(_events_case, exchange=exchange)
     assert [parts for _, *parts in results] == [[True, False], [True, True]]  # rank 0 needs no foreign key
+    fwd, bwd = names
     for rank, (events, has_local, has_remote) in enumerate(results):
         local, remote = ["local"] * has_local, ["remote"] * has_remote
-        forward = ["start all-gather", *(f"forward {p}" for p in local), "wait all-gather", *(f"forward {p}" for p in remote)]
-        backward = [*(f"backward {p}" for p in remote), "start reduce-scatter", *(f"backward {p}" for p in local),
-                    "wait reduce-scatter"]
+        forward = [f"start {fwd}", *(f"forward {p}" for p in local), f"wait {fwd}", *(f"forward {p}" for p in remote)]
+        backward = [*(f"backward {p}" for p in remote), f"start {bwd}", *(f"backward {p}" for p in local), f"wait {bwd}"]
         # Forward of every layer, then per layer (last first): recompute, then its backward.
         assert events == forward * layers + (forward + backward) * layers, f"rank {rank}: {events}"
 
 
+@pytest.mark.parametrize("exchange", ["allgather", "halo", "a2a"])
 @pytest.mark.parametrize("layout", ["straddle", "span_all"])
-def test_overlap_moves_the_planned_bytes(gloo, layout):
-    for rank, (exchange, metered, planned) in enumerate(gloo(3).run(exchange_step_case, layout=layout, exchange="allgather", overlap=True)):
-        assert exchange == "allgather" and metered == planned, f"rank {rank}: metered {metered}, planned {planned}"
+def test_overlap_moves_the_planned_bytes(gloo, layout, exchange):
+    # halo hands a document over three ranks (span_all at G = 3) to a2a, which moves the same rows.
+    taken = "a2a" if (exchange, layout) == ("halo", "span_all") else exchange
+    for rank, (ran, metered, planned) in enumerate(gloo(3).run(exchange_step_case, layout=layout, exchange=exchange, overlap=True)):
+        assert ran == taken and metered == planned, f"rank {rank} {ran}: metered {metered}, planned {planned}"
 
 
 def _frozen_kv_case(rank, world_size, group, pack):
@@ -132,8 +138,8 @@ def test_flex_attends_over_each_parts_rows(gloo):
 
 
 def test_overlap_needs_an_exchange_that_can_overlap():
-    with pytest.raises(ValueError, match="overlap=True needs a kv_exchange that can overlap.*got kv_exchange='a2a'"):
-        bdcp.CPConfig(kv_exchange="a2a", overlap=True)
+    with pytest.raises(ValueError, match="overlap=True needs a kv_exchange that can overlap.*got kv_exchange='heads'"):
+        bdcp.CPConfig(kv_exchange="heads", overlap=True)
     with pytest.raises(TypeError, match="overlap must be True or False"):
         bdcp.CPConfig(overlap="yes")
     assert bdcp.CPConfig(kv_exchange="auto", overlap=True).overlap  # auto: overlapped when it picks allgather

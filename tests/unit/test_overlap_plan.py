@@ -1,6 +1,6 @@
 """The overlap plan (`planning.plan_overlap`, `CPConfig(overlap=True)`) against brute force
 (hypothesis, G = 1-8, random packs with interior padding, contiguous / balanced / head-tail
-layouts): the two parts hold every local query once; a query is in the local part exactly when
+layouts, over the rows of every exchange that can overlap): the two parts hold every local query once; a query is in the local part exactly when
 every key of its run (its document from the start up to the run's last query) is held by its own
 rank, or is padding; each part's plan allows exactly the (query, key position) pairs the full plan
 allows for its queries (padding queries: those of keys on the rank), with key rows that name
@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.planning import plan_overlap, plan_rank, validate_rank_plan
+import hf_blockdiag_cp  # noqa: F401  (registers the exchange records)
+from hf_blockdiag_cp.planning import exchange_records, get_exchange, plan_exchange, plan_overlap, plan_rank, validate_rank_plan
 from hf_blockdiag_cp.planning.rank_plan import dense_allowed
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy
 
@@ -55,13 +56,23 @@ def _allowed_pairs(plan, row_positions) -> set[tuple[int, int]]:
     return set(zip(plan.q_positions[q].tolist(), plan.k_positions[k].tolist()))
 
 
+OVERLAPPING = [r.name for r in exchange_records() if r.begin is not None]
+
+
+def test_the_k_v_exchanges_can_overlap():
+    assert OVERLAPPING == [r.name for r in exchange_records() if not r.head_parallel] == ["allgather", "halo", "a2a"]
+
+
 @settings(max_examples=150, deadline=None)
-@given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS))
-def test_parts_split_the_queries_exactly(runs, cp_size, kind):
+@given(runs=runs_strategy, cp_size=st.integers(1, 8), kind=st.sampled_from(LAYOUT_KINDS),
+       exchange=st.sampled_from(OVERLAPPING))
+def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
     layout = make_layout(pack_ids(runs), cp_size, kind)
-    all_rows = layout.slot_positions.reshape(-1)
+    record = get_exchange(exchange)
+    xplan = plan_exchange(layout) if record.needs_plan else None
     for rank in range(cp_size):
-        full = plan_rank(layout, rank)
+        mine = record.plan(layout, xplan, rank)  # the rows the exchange returns, and the plan over them
+        full, all_rows = mine.rank_plan, mine.row_positions
         split = plan_overlap(layout, rank, full, all_rows)
         local = [] if split.local is None else _indices(split.local.queries)
         remote = [] if split.remote is None else _indices(split.remote.queries)

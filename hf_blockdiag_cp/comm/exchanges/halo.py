@@ -13,11 +13,12 @@ import torch.distributed as dist
 
 from ...planning.exchange_plan import ExchangePlan, needed_rows_per_layer, plan_needed_rows
 from ...planning.exchange_registry import ExchangeRecord, register_exchange
-from ..exchange import routed_transport
+from ..exchange import routed_exchange
 
 
-def point_to_point(recv, recv_counts, send, send_counts, group) -> None:
-    """Point-to-point with the peers that have rows to exchange (both sides know the counts from the plan)."""
+def point_to_point(recv, recv_counts, send, send_counts, group, async_op: bool = False):
+    """Point-to-point with the peers that have rows to exchange (both sides know the counts from the
+    plan); asynchronous, it returns the works instead of waiting for them."""
     ops = []
     offset = 0
     for peer, n in enumerate(recv_counts):
@@ -29,9 +30,15 @@ def point_to_point(recv, recv_counts, send, send_counts, group) -> None:
         if n:
             ops.append(dist.P2POp(dist.isend, send[offset : offset + n], group=group, group_peer=peer))
             offset += n
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if async_op:
+        return works
+    for work in works:
+        work.wait()
+    return None
+
+
+HALO_TRANSPORT, HALO_BEGIN = routed_exchange("halo", point_to_point)
 
 
 def left_neighbours(plan: ExchangePlan) -> list[set[int]]:
@@ -60,7 +67,8 @@ HALO = register_exchange(
         aliases=("left_halo",),
         plan=plan_needed_rows,
         rows_per_layer=needed_rows_per_layer,
-        transport=routed_transport("halo", point_to_point),
+        transport=HALO_TRANSPORT,
+        begin=HALO_BEGIN,
         unsupported_reason=beyond_left_neighbours,
         fallback="a2a",
         needs_single_node=True,
