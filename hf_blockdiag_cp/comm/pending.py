@@ -106,36 +106,35 @@ class PendingExchange:
         return _Finish.apply(token, out, self)
 
 
+def _start(pending: PendingExchange, k, v) -> None:
+    pending.k_shape, pending.v_shape = tuple(k.shape), tuple(v.shape)
+    pending.start_forward(k, v)
+
+
 class _Now(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, pending: PendingExchange):
         ctx.pending = pending
-        pending.k_shape, pending.v_shape = tuple(k.shape), tuple(v.shape)
-        pending.start_forward(k, v)
+        _start(pending, k, v)
         return pending.finish_forward(pending.collect())
 
     @staticmethod
     def backward(ctx, grad_k, grad_v):
-        pending = ctx.pending
-        pending.start_backward(grad_k, grad_v)
-        gk, gv = pending.finish_backward(pending.collect())
-        return gk, gv, None
+        ctx.pending.start_backward(grad_k, grad_v)
+        return (*ctx.pending.finish_backward(ctx.pending.collect()), None)
 
 
 class _Start(torch.autograd.Function):
     @staticmethod
     def forward(ctx, k, v, pending: PendingExchange):
         ctx.pending = pending
-        pending.k_shape, pending.v_shape = tuple(k.shape), tuple(v.shape)
-        pending.start_forward(k, v)
+        _start(pending, k, v)
         return k.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_token):
         del grad_token
-        pending = ctx.pending
-        gk, gv = pending.finish_backward(pending.collect())
-        return gk, gv, None
+        return (*ctx.pending.finish_backward(ctx.pending.collect()), None)
 
 
 class _Finish(torch.autograd.Function):
