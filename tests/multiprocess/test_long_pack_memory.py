@@ -1,6 +1,6 @@
 """The long-pack memory helpers (integrations/memory.py) leave training exact: with activation
 checkpointing, a sequence-tiled MLP and host offload of checkpointed layer inputs, alone and
-together and under `compile_model`, give the loss and every gradient of the stock eager model run on each document
+together and under `compile_model` (also with the exchange overlapped), give the loss and every gradient of the stock eager model run on each document
 separately, at cp = 1, 2 and 3 (documents over every rank, tiles smaller than a shard)."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from helpers.trainer import tiny_model
 from hf_blockdiag_cp.integrations.memory import CheckpointOffload, enable_checkpoint_offload, enable_tiled_mlp
 
 TOL = 1e-5
-VARIANTS = {"tiled": (True, False), "offload": (False, True), "both": (True, True), "both+compile": (True, True)}
+VARIANTS = {"tiled": (True, False), "offload": (False, True), "both": (True, True), "both+compile": (True, True),
+            "both+compile+overlap": (True, True)}
 
 
 def memory_case(rank, world_size, group, variant):
@@ -23,10 +24,11 @@ def memory_case(rank, world_size, group, variant):
     docs, batch = make_pack("span_all", world_size)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if variant.endswith("+compile"):  # compiled first: the offload goes inside compile_model's checkpoint wrapper
+    if "+compile" in variant:  # compiled first: the offload goes inside compile_model's checkpoint wrapper
         bdcp.compile_model(model, "layers", backend="aot_eager")
     counts = (enable_tiled_mlp(model, tile_tokens=3) if tiled else 0, enable_checkpoint_offload(model) if offload else 0)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(attn_backend="dense"))
+    config = bdcp.CPConfig(attn_backend="dense", overlap=variant.endswith("+overlap"))
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     assert local["input_ids"].shape[1] > 3, "a tile must be smaller than the shard"
     with train_ctx():
         loss = model(**local).loss
@@ -34,7 +36,8 @@ def memory_case(rank, world_size, group, variant):
     return counts, compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
 
 
-@pytest.mark.parametrize("variant,world_size", [("tiled", 2), ("offload", 2), ("both", 1), ("both", 3), ("both+compile", 2)])
+@pytest.mark.parametrize("variant,world_size", [("tiled", 2), ("offload", 2), ("both", 1), ("both", 3), ("both+compile", 2),
+                                                ("both+compile+overlap", 3)])
 def test_memory_helpers_stay_exact(gloo, world_size, variant):
     layers = tiny_model().config.num_hidden_layers
     for rank, (counts, errors) in enumerate(gloo(world_size).run(memory_case, variant=variant)):
