@@ -22,9 +22,31 @@ from .scaling_model import INTER_NODE_GBPS_PER_GPU, LATENCY_MS, NODE_GPUS, Kerne
 from .setups import E2E_CONFIGS
 
 
+PLANNED = "planned"  # an `--overlaps` value: the overlap as built (CPConfig.overlap; Setup.overlap_plan)
+
+
+def overlap_value(text: str):
+    """An `--overlaps` value: a fraction in [0, 1], or "planned"."""
+    if text == PLANNED:
+        return PLANNED
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"an overlap is a fraction in [0, 1] or {PLANNED!r}; got {text!r}")
+    return value
+
+
+def fkey(f) -> str:
+    """How columns and labels name an overlap value."""
+    return f if f == PLANNED else f"{f:g}"
+
+
+def with_overlap(st: Setup, f) -> Setup:
+    return replace(st, overlap=0.0, overlap_plan=True) if f == PLANNED else replace(st, overlap=f, overlap_plan=False)
+
+
 def predictions(models, sizes, tokens, base: Setup, r_lin: dict, overlaps=(0.0, 1.0)) -> list[dict]:
-    """Per model, pack and G: per-GPU efficiency (same pack, same tokens per GPU) and step time per overlap fraction,
-    with the step's breakdown at the first overlap fraction."""
+    """Per model, pack and G: per-GPU efficiency (same pack, same tokens per GPU) and step time per overlap value
+    (a fraction, or "planned": the overlap as built), with the step's breakdown at the first one."""
     rows = []
     fallback = r_lin.get("1.2b") or next(iter(r_lin.values()))
     for m in models:
@@ -33,10 +55,10 @@ def predictions(models, sizes, tokens, base: Setup, r_lin: dict, overlaps=(0.0, 
             for G in sizes:
                 row = {"model": m, "tokens": S, "G": G}
                 for f in overlaps:
-                    st = replace(base, r_lin_tflops=r_lin.get(m, fallback), overlap=f)
+                    st = with_overlap(replace(base, r_lin_tflops=r_lin.get(m, fallback)), f)
                     e = per_gpu_efficiency(cfg, S, G, st)
-                    row.update({f"same_pack_f{f:g}": e["same_pack"], f"same_tpg_f{f:g}": e["same_tokens_per_gpu"],
-                                f"step_s_f{f:g}": e["step_ms"] / 1e3})
+                    row.update({f"same_pack_f{fkey(f)}": e["same_pack"], f"same_tpg_f{fkey(f)}": e["same_tokens_per_gpu"],
+                                f"step_s_f{fkey(f)}": e["step_ms"] / 1e3})
                     if f == overlaps[0]:
                         parts = step_ms(cfg, S, G, st)
                         share = {k: 100 * parts[k] / parts["total"] for k in ("kv", "allreduce", "attention")}
@@ -57,7 +79,7 @@ def efficiency_table(rows, key: str, overlaps) -> str:
         cells = []
         for g in sizes:
             r = next(x for x in rows if (x["model"], x["tokens"], x["G"]) == (m, S, g))
-            cells.append(" / ".join(f"{100 * r[f'{key}_f{f:g}']:.0f}" for f in overlaps))
+            cells.append(" / ".join(f"{100 * r[f'{key}_f{fkey(f)}']:.0f}" for f in overlaps))
         lines.append(f"| {m} | {_fmt_tokens(S)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -80,8 +102,8 @@ def plot(rows, path: Path, overlaps, caption: str) -> None:
             for S, c in zip(tokens, colors):
                 pts = sorted(((r["G"], r) for r in rows if r["model"] == m and r["tokens"] == S), key=lambda p: p[0])
                 for f in overlaps:
-                    ax.plot([g for g, _ in pts], [100 * r[f"{key}_f{f:g}"] for _, r in pts], styles.get(f, ":"), color=c,
-                            marker="o", ms=3, label=f"{_fmt_tokens(S)} f={f:g}")
+                    ax.plot([g for g, _ in pts], [100 * r[f"{key}_f{fkey(f)}"] for _, r in pts], styles.get(f, ":"), color=c,
+                            marker="o", ms=3, label=f"{_fmt_tokens(S)} f={fkey(f)}")
             ax.axvline(NODE_GPUS + 0.5, color="grey", linewidth=0.8, linestyle=":")
             ax.set_xscale("log", base=2)
             ax.set_xticks(sorted({r["G"] for r in rows}))
@@ -108,7 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-node GB/s per GPU (default 8 x 400 Gb/s / 8 GPUs)")
     p.add_argument("--latency-intra-ms", type=float, default=LATENCY_MS["intra"])
     p.add_argument("--latency-inter-ms", type=float, default=LATENCY_MS["inter"])
-    p.add_argument("--overlaps", type=float, nargs="+", default=[0.0, 1.0], help="K/V exchange overlap fractions to predict")
+    p.add_argument("--overlaps", type=overlap_value, nargs="+", default=[0.0, PLANNED, 1.0],
+                   help="K/V exchange overlaps to predict: fractions hidden, or planned (CPConfig.overlap as built: "
+                        "hidden under the attention of the queries whose keys are local)")
     p.add_argument("--layout", default="balanced")
     p.add_argument("--exchange", default="allgather", choices=["allgather", "a2a"],
                    help="a2a: rough (its measured time is mostly a fixed per-call cost, modelled here as bytes / rate)")
@@ -142,11 +166,11 @@ def _inputs_section(args, env: dict, rates: KernelRates, net, r_lin: dict) -> li
 def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tuple[list[str], list[dict]]:
     ov = tuple(args.overlaps)
     prow = predictions(args.models, args.cp_sizes, args.tokens, base, r_lin, ov)
-    fl = " / ".join(f"f={f:g}" for f in ov)
+    fl = " / ".join(f"f={fkey(f)}" for f in ov)
     caption = (f"Predicted, not measured beyond G = {G_measured}: {args.kernel} kernel rates and collective rates measured, "
                f"inter-node {args.inter_gbps:g} GB/s per GPU assumed; bf16, activation checkpointing, {args.layout} layout, "
                f"{args.exchange}; packs {', '.join(_fmt_tokens(s) for s in args.tokens)} (real length histogram, cap S/4); "
-               f"solid f={ov[0]:g} exposed exchange, dashed f={ov[-1]:g}")
+               f"solid f={fkey(ov[0])}, dashed f={fkey(ov[-1])}, dotted between (planned: the overlap as built)")
     plot(prow, Path(args.out) / "scaling_model.png", ov, caption)
     md = [f"## Predicted per-GPU efficiency, same total pack (%, {fl})", "",
           "tokens/s per GPU at G over the model's G = 1 on the same pack (memory ignored).", "",
@@ -155,8 +179,8 @@ def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tup
           "tokens/s per GPU at G (pack S) over G = 1 on a pack of S/G tokens: "
           "also counts the longer documents of the longer pack.", "",
           efficiency_table(prow, "same_tpg", ov), "",
-          f"## Step breakdown at f={ov[0]:g}", "",
-          markdown_table([{**r, "step_s": r[f"step_s_f{ov[0]:g}"]} for r in prow],
+          f"## Step breakdown at f={fkey(ov[0])}", "",
+          markdown_table([{**r, "step_s": r[f"step_s_f{fkey(ov[0])}"]} for r in prow],
                          ["model", "tokens", "G", "step_s", "attention_pct", "kv_pct", "allreduce_pct", "imbalance"]), ""]
     return md, prow
 

@@ -1,7 +1,7 @@
 """The analytic step model behind `bench scaling`: one training step of one pack of S tokens on
 G GPUs, for the slowest rank (L layers, H query heads of dim D):
 
-    T(G, S) = T_lin + T_attn + (1 - f) * T_kv + T_ar
+    T(G, S) = T_lin + T_attn + T_kv - hidden + T_ar,  hidden = min(f * T_kv, T_attn)
     T_lin  = local_len * F_lin / R_lin                 linear layers etc.: FLOPs per token over a calibrated rate
     T_attn = L * c * 4 * H * D * max_r work_r / R_attn(S)   c = 3.5 (fwd + bwd) + 1 with checkpointing (fwd recompute)
     T_kv   = L * (n_fwd * t(fwd bytes) + t(bwd bytes)) n_fwd = 2 with checkpointing; t(b) = (G-1)*a + b / B(G)
@@ -12,7 +12,9 @@ exchange records' `rows_per_layer` over `plan_exchange`) on the pack (`Setup.pac
 the multi-GPU benchmark's end-to-end pack). R_attn: measured single-GPU useful TFLOP/s of the
 kernel, interpolated in log2(S). B(G): measured collective rates within a node (G <= `node_gpus`),
 capped by an inter-node share per GPU beyond. f: the overlapped fraction of the K/V exchange (never
-more than the attention it runs under). Memory is not modelled. docs/scaling.md explains the terms
+more than the attention it runs under); or, as built (`CPConfig(overlap=True)`, `Setup.overlap_plan`),
+hidden = min(T_kv, T_attn * local share), the share of the busiest rank's work that attends while
+its exchange runs (`planning.overlap_work`). Memory is not modelled. docs/scaling.md explains the terms
 and their inputs.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..planning import exchange_records, kv_row_bytes, plan_exchange, plan_layout, rank_work
+from ..planning import exchange_records, kv_row_bytes, overlap_work, plan_exchange, plan_layout, rank_work
 from .setups import e2e_pack_lengths
 
 NODE_GPUS = 8
@@ -127,6 +129,13 @@ class PackCost:
     max_work: int
     total_work: int
     rows: dict  # (exchange, direction) -> max over ranks of K/V rows received per layer
+    local_share: float = 0.0  # the busiest rank's work that attends while its exchange runs, as a share of it
+
+    def exposed_ms(self, kv_ms: float, attn_ms: float, f: float, planned: bool) -> float:
+        """Exchange time the step waits for: all of it less what hides under attention (`f` of it,
+        never more than the attention; `planned`: under the local share of the attention)."""
+        hidden = min(kv_ms, self.local_share * attn_ms) if planned else min(f * kv_ms, attn_ms)
+        return kv_ms - hidden
 
 
 @functools.lru_cache(maxsize=None)
@@ -135,6 +144,8 @@ def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> Pac
     busiest rank's K/V rows per layer, forward and backward (the exchange record's `rows_per_layer`)."""
     lay = plan_layout(list(lengths), G, layout)
     work = rank_work(lay).tolist()
+    busiest = max(range(G), key=work.__getitem__)
+    share = int(overlap_work(lay)[busiest]) / work[busiest] if G > 1 and work[busiest] else 0.0
     plan = plan_exchange(lay)
     rows = {}
     for record in exchange_records():
@@ -142,13 +153,14 @@ def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> Pac
             per_rank = [record.rows_per_layer(plan, r) for r in range(G)]
             rows[(record.name, "fwd")] = max(f for f, _ in per_rank)
             rows[(record.name, "bwd")] = max(b for _, b in per_rank)
-    return PackCost(lay.local_len, max(work), sum(work), rows)
+    return PackCost(lay.local_len, max(work), sum(work), rows, share)
 
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything but the pack size and G: rates, network, kernel, layout, exchange, overlap,
-    checkpointing, and `packs(S)`, the document lengths of the pack of S tokens."""
+    """Everything but the pack size and G: rates, network, kernel, layout, exchange, overlap (a
+    fraction `overlap`, or the overlap as built, `overlap_plan`), checkpointing, and `packs(S)`, the
+    document lengths of the pack of S tokens."""
 
     rates: KernelRates
     net: Network
@@ -157,6 +169,7 @@ class Setup:
     layout: str = "balanced"
     exchange: str = "allgather"
     overlap: float = 0.0
+    overlap_plan: bool = False
     checkpointing: bool = True
     packs: Callable[[int], Sequence[int]] = field(default=e2e_pack, compare=False)
 
@@ -186,11 +199,11 @@ def step_ms(cfg: dict, S: int, G: int, st: Setup, lengths=None) -> dict:
     lin = cost.local_len * linear_flops_per_token(cfg, st.checkpointing) / (st.r_lin_tflops * 1e12) * 1e3
     attn = attention_ms(cfg, S, cost, st)
     kv = kv_exchange_ms(cfg, G, cost, st)
-    hidden = min(st.overlap * kv, attn)  # overlap cannot hide more than the attention it runs under
+    exposed = cost.exposed_ms(kv, attn, st.overlap, st.overlap_plan)
     sizes = model_sizes(cfg)
     ar = st.net.allreduce_ms(sizes["total"] * BYTES_PER_ELEMENT, G, sizes["tensors"])
-    total = lin + attn + kv - hidden + ar
-    return {"total": total, "linear": lin, "attention": attn, "kv": kv, "kv_exposed": kv - hidden, "allreduce": ar,
+    total = lin + attn + exposed + ar
+    return {"total": total, "linear": lin, "attention": attn, "kv": kv, "kv_exposed": exposed, "allreduce": ar,
             "imbalance": cost.max_work * G / cost.total_work if cost.total_work else 1.0}
 
 

@@ -13,7 +13,17 @@ arithmetic), `cost` (work, predicted cost and bytes per rank).
 """
 
 from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
-from .cost import LayoutCost, ideal_cost, layout_cost, rank_cost, rank_features, rank_runs, rank_work, split_documents
+from .cost import (
+    LayoutCost,
+    ideal_cost,
+    layout_cost,
+    overlap_work,
+    rank_cost,
+    rank_features,
+    rank_runs,
+    rank_work,
+    split_documents,
+)
 from .exchange_plan import (
     AttentionShape,
     ExchangeBytes,
@@ -100,6 +110,7 @@ __all__ = [
     "needed_intervals",
     "needed_rank_plan",
     "needed_rows_per_layer",
+    "overlap_work",
     "pack_as_one_rank",
     "padded_length",
     "plan_exchange",

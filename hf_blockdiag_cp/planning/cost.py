@@ -1,6 +1,7 @@
 """What a layout costs: per-rank attention work, predicted kernel cost, real tokens and K/V bytes.
 
-Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask;
+Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask
+(`overlap_work`: of the rows that attend while the exchange runs);
 cost is what a tiled kernel is predicted to spend on the rank's query runs (`KernelCost`,
 the arithmetic's home is `planning.kernel_cost`); bytes come from the exchange records
 (`exchange_registry`) over the layout's exchange plan.
@@ -17,12 +18,30 @@ from .exchange_plan import AttentionShape, plan_exchange
 from .exchange_registry import exchange_records
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs  # noqa: F401  (re-exported)
 from .layout import Layout
+from .overlap import plan_overlap
+from .rank_plan import plan_rank
 
 
 def rank_work(layout: Layout) -> torch.Tensor:
     """`[G]` attention work per rank: query-key pairs of the block-causal mask on its rows."""
     pos = layout.slot_positions
     return (pos - layout.segments.segment_starts[pos] + 1).sum(dim=1)
+
+
+def overlap_work(layout: Layout) -> torch.Tensor:
+    """`[G]` attention work per rank that runs while its K/V exchange is in flight under
+    `CPConfig(overlap=True)`: the query-key pairs of its local part (`plan_overlap`, all-gather rows)."""
+    rows = layout.slot_positions.reshape(-1)
+    work = []
+    for rank in range(layout.cp_size):
+        local = plan_overlap(layout, rank, plan_rank(layout, rank), rows).local
+        if local is None:
+            work.append(0)
+            continue
+        q_lens = (local.plan.cu_seqlens_q[1:] - local.plan.cu_seqlens_q[:-1]).long()
+        k_lens = (local.plan.cu_seqlens_k[1:] - local.plan.cu_seqlens_k[:-1]).long()
+        work.append(int(run_pairs(k_lens - q_lens, q_lens).sum()))
+    return torch.tensor(work, dtype=torch.long)
 
 
 def rank_runs(layout: Layout, rank: int) -> tuple[np.ndarray, np.ndarray]:

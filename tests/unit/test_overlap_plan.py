@@ -5,7 +5,7 @@ every key of its run (its document from the start up to the run's last query) is
 rank, or is padding; each part's plan allows exactly the (query, key position) pairs the full plan
 allows for its queries (padding queries: those of keys on the rank), with key rows that name
 those positions; and the merge puts the parts back in
-query order. Whole models under overlap on gloo: tests/multiprocess/test_overlap.py and the
+query order; `overlap_work` counts the local part's pairs. Whole models under overlap on gloo: tests/multiprocess/test_overlap.py and the
 parity matrix."""
 
 from __future__ import annotations
@@ -15,7 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_blockdiag_cp  # noqa: F401  (registers the exchange records)
-from hf_blockdiag_cp.planning import exchange_records, get_exchange, plan_exchange, plan_overlap, plan_rank, validate_rank_plan
+from hf_blockdiag_cp.planning import (
+    exchange_records,
+    get_exchange,
+    overlap_work,
+    plan_exchange,
+    plan_overlap,
+    plan_rank,
+    validate_rank_plan,
+)
 from hf_blockdiag_cp.planning.rank_plan import dense_allowed
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy
 
@@ -78,6 +86,7 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
         remote = [] if split.remote is None else _indices(split.remote.queries)
         assert sorted(local + remote) == list(range(layout.local_len)), "every query in exactly one part"
         assert set(local) == brute_local_queries(layout, rank)
+        brute_positions = set(layout.slot_positions[rank][sorted(brute_local_queries(layout, rank))].tolist())
         assert split.local_queries == len(local)
         full_pairs = _allowed_pairs(full, all_rows)
         parts = [(p, _indices(p.queries)) for p in (split.local, split.remote) if p is not None]
@@ -92,6 +101,11 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
             assert _allowed_pairs(part.plan, part.row_positions) == want
         if split.local is not None:  # the local part reads this rank's own rows only
             assert torch.equal(split.local.row_positions, layout.slot_positions[rank])
+        if exchange == "allgather":  # the work that runs during the exchange, as the scaling model reads it
+            held = set(layout.slot_positions[rank].tolist())
+            pairs = [(q, k) for q, k in full_pairs if q in brute_positions]
+            local_pairs = sum(1 for q, k in pairs if layout.document_ids[q] > 0 or k in held)
+            assert int(overlap_work(layout)[rank]) == local_pairs
         # The merge restores query order from cat([local, remote]) (or cat([remote, local])).
         order = torch.tensor(remote + local if split.remote_first else local + remote)
         merged = order if split.merge_index is None else order[split.merge_index]
