@@ -1,7 +1,9 @@
-"""Sharded `evaluate()` / `predict()` of `BlockdiagCPTrainer` under `TrainingArguments(bf16=True)`:
-the forward runs under the same autocast as the stock Trainer's evaluation (which gets it from
-accelerate wrapping the model's forward), so on an fp32 model the sharded eval loss at cp = 2
-is the stock Trainer's bf16 eval loss, not its fp32 one; without bf16 it stays the fp32 loss.
+"""Sharded `evaluate()` / `predict()` of `BlockdiagCPTrainer` in the stock Trainer's precision. Under
+`TrainingArguments(bf16=True)` the forward runs under the same autocast as the stock Trainer's
+evaluation (which gets it from accelerate wrapping the model's forward), so on an fp32 model the
+sharded eval loss at cp = 2 is the stock Trainer's bf16 eval loss, not its fp32 one; with
+`bf16_full_eval=True` the model is cast to bf16 for an evaluation outside training, as the stock
+Trainer does; without either it stays the fp32 loss.
 
 Reference: the stock Trainer with the stock `sdpa` model evaluating the same documents as one
 pack in Transformers' packed convention (position ids restarting per document, labels masked at
@@ -32,8 +34,12 @@ def eval_docs() -> list[dict]:
     return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
 
 
-def arguments(output_dir: str, bf16: bool) -> TrainingArguments:
-    return TrainingArguments(**{**trainer_settings(output_dir, 1, 1), "bf16": bf16})
+# TrainingArguments of each precision: fp32, bf16 autocast, and the model cast to bf16 for evaluation.
+MODES = {"fp32": {}, "bf16": {"bf16": True}, "bf16_full_eval": {"bf16_full_eval": True}}
+
+
+def arguments(output_dir: str, mode: str) -> TrainingArguments:
+    return TrainingArguments(**{**trainer_settings(output_dir, 1, 1), **MODES[mode]})
 
 
 class _PackTrainer(Trainer):
@@ -53,39 +59,40 @@ def stock_case(rank, world_size, group):
     labels[full["position_ids"] == 0] = -100  # no target crosses into the next document
     pack = {"input_ids": full["input_ids"], "labels": labels, "position_ids": full["position_ids"]}
     losses = {}
-    for bf16 in (False, True):
+    for mode in MODES:
         with accelerate_env(rank, world_size) as out:
-            trainer = _PackTrainer(model=tiny_model("sdpa", initializer_range=INIT_RANGE), args=arguments(out, bf16),
+            trainer = _PackTrainer(model=tiny_model("sdpa", initializer_range=INIT_RANGE), args=arguments(out, mode),
                                    eval_dataset=[pack], pack=pack)
-            losses[bf16] = quiet(trainer).evaluate()["eval_loss"]
+            losses[mode] = quiet(trainer).evaluate()["eval_loss"]
     return losses
 
 
 def sharded_case(rank, world_size, group):
-    """Per bf16 setting: sharded eval_loss, predict's test_loss, the dtypes of the LM head's outputs."""
+    """Per precision: sharded eval_loss, predict's test_loss, the dtypes of the LM head's outputs."""
     results = {}
-    for bf16 in (False, True):
+    for mode in MODES:
         with accelerate_env(rank, world_size) as out:
             model = tiny_model(initializer_range=INIT_RANGE)
             dtypes = set()
             model.lm_head.register_forward_hook(lambda module, args, output: dtypes.add(output.dtype))
-            trainer = quiet(BlockdiagCPTrainer(model=model, args=arguments(out, bf16), train_dataset=eval_docs(),
+            trainer = quiet(BlockdiagCPTrainer(model=model, args=arguments(out, mode), train_dataset=eval_docs(),
                                                eval_dataset=eval_docs(), cp_size=2, max_tokens=MAX_TOKENS))
-            results[bf16] = (trainer.evaluate()["eval_loss"], trainer.predict(eval_docs()).metrics["test_loss"], dtypes)
+            results[mode] = (trainer.evaluate()["eval_loss"], trainer.predict(eval_docs()).metrics["test_loss"], dtypes)
     return results
 
 
-def test_sharded_evaluate_runs_under_the_stock_trainers_autocast(gloo):
+def test_sharded_evaluate_runs_in_the_stock_trainers_precision(gloo):
     stock = gloo(1).run(stock_case, timeout=180)[0]
-    bf16_effect = abs(stock[True] - stock[False])
-    assert bf16_effect > 1e-5 * stock[False], f"bf16 does not change the stock eval loss ({stock}): nothing to test"
+    effects = {mode: abs(stock[mode] - stock["fp32"]) for mode in MODES if mode != "fp32"}
+    for mode, effect in effects.items():
+        assert effect > 1e-5 * stock["fp32"], f"{mode} does not change the stock eval loss ({stock}): nothing to test"
     for rank, results in enumerate(gloo(2).run(sharded_case, timeout=180)):
-        for bf16, (eval_loss, test_loss, dtypes) in results.items():
-            want = stock[bf16]
-            what = f"rank {rank}, bf16={bf16}"
+        for mode, (eval_loss, test_loss, dtypes) in results.items():
+            want = stock[mode]
             for name, got in (("eval_loss", eval_loss), ("test_loss", test_loss)):
-                bound = BF16_SHARE * bf16_effect if bf16 else FP32_TOL * want
+                bound = BF16_SHARE * effects[mode] if mode in effects else FP32_TOL * want
                 assert abs(got - want) <= bound, (
-                    f"{what}: {name} {got}; expected the stock Trainer's {'bf16' if bf16 else 'fp32'} eval loss {want} "
-                    f"within {bound:.2e} (the stock fp32 loss is {stock[False]})")
-            assert dtypes == {torch.bfloat16 if bf16 else torch.float32}, f"{what}: LM head output dtypes {dtypes}"
+                    f"rank {rank}, {mode}: {name} {got}; expected the stock Trainer's {mode} eval loss {want} "
+                    f"within {bound:.2e} (the stock fp32 loss is {stock['fp32']})")
+            want_dtype = torch.float32 if mode == "fp32" else torch.bfloat16
+            assert dtypes == {want_dtype}, f"rank {rank}, {mode}: LM head output dtypes {dtypes}"

@@ -147,6 +147,15 @@ class ShardedEvaluationMixin:
         stack.enter_context(self.accelerator.autocast())
         return stack
 
+    def _eval_model(self):
+        """The model evaluation runs (not the DDP wrapper: forward only; an FSDP2 module is its own
+        wrapper), cast to fp16 / bf16 for an evaluation outside training with `fp16_full_eval` /
+        `bf16_full_eval`, in place, as the stock Trainer's evaluation loop does."""
+        model, args = self.model, self.args
+        if not self.is_in_train and (args.fp16_full_eval or args.bf16_full_eval):
+            model = model.to(dtype=torch.float16 if args.fp16_full_eval else torch.bfloat16, device=args.device)
+        return model
+
     def _eval_pack_done(self, outputs, local: dict, fill: bool) -> None:
         """Hook, on every rank after each pack's forward in `evaluate` (not `predict`): the model's
         `outputs` and the shard step's `local` batch; `fill` for a pack that only fills the DP
@@ -161,7 +170,7 @@ class ShardedEvaluationMixin:
         sampler = loader.batch_sampler
         repeats = sampler.replica_repeats()
         cp = resolve_cp_group(self.cp_mesh)
-        model = self.model  # not the DDP wrapper: forward only; an FSDP2 module is its own wrapper
+        model = self._eval_model()
         was_training = model.training
         model.eval()
         try:
