@@ -6,8 +6,8 @@ whose documents, padding and rank assignment differ. Each step's loss and every 
 the eager model's on the same pack (Llama: ≤ 1e-5 relative, fp32, dense kernel) and the
 independent reference (the stock model on every document alone, I1, I2); the compiled graphs
 hold the decoder layers' dense math (RMSNorm, MLP), not the attention call; and no pack after
-the first compiles anything (frames and graphs counted by dynamo). The Trainer's
-`torch_compile=True` is tested in test_trainer.py.
+the first compiles anything (frames and graphs counted by dynamo). FSDP2 around a compiled model
+(per layer and whole) stays exact. The Trainer's `torch_compile=True` is tested in test_trainer.py.
 """
 
 from __future__ import annotations
@@ -128,3 +128,38 @@ def test_inductor_compiled_layers_match_eager(gloo):
     """The default backend once (C++ code generation on CPU: slow here, so one rank and two packs)."""
     results = gloo(1).run(compile_case, timeout=600, regions="layers", checkpointing=False, backend="inductor", packs=2)
     _assert_compiled_steps(results, "inductor cp1 layers")
+
+
+def fsdp_compile_case(rank, world_size, group, regions):
+    """FSDP2 (`wrap_model(..., fsdp=True)`) over the CP ranks around a compiled model: the mean loss
+    over the group and every full gradient against the reference, after a second step on the same
+    pack (the first compiles)."""
+    from hf_blockdiag_cp.comm import DPCPCoordinates, build_dp_cp_mesh
+    from hf_blockdiag_cp.integrations.accelerate import wrap_model
+
+    ref, model = build_models("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    docs, batch = pack(*PACKS[0], seed=0)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    mesh = build_dp_cp_mesh(DPCPCoordinates(world_size, rank, world_size), "cpu")
+    model = wrap_model(compile_model(model, regions, backend="aot_eager"), mesh, fsdp=True)
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(mesh.cp, None, batch, config=CONFIG)
+        with train_ctx():
+            loss = model(**local).loss
+            loss.backward()
+    grads = {n.replace("_orig_mod.", ""): p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    mean_loss = loss.detach().clone()
+    torch.distributed.all_reduce(mean_loss, group=group)
+    errors = [rel_err(mean_loss / world_size, ref_loss)] + [rel_err(grads[n], ref_grads[n]) for n in ref_grads]
+    return max(errors)
+
+
+@pytest.mark.parametrize("regions", ["layers", "model"])
+def test_fsdp2_around_a_compiled_model_matches_the_reference(gloo, regions):
+    """FSDP2 shards over the dp x cp ranks (here the two CP ranks) and averages the gradients; the
+    compiled layers' graph break at attention leaves the CP step exact under it."""
+    for rank, worst in enumerate(gloo(2).run(fsdp_compile_case, timeout=300, regions=regions)):
+        assert worst <= REFERENCE_TOL, f"rank {rank} {regions}: relative error {worst:.2e}"
