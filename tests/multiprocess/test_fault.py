@@ -1,5 +1,6 @@
-"""I5 under failure: one rank raises inside the attention kernel, after the layer's K/V exchange;
-every rank of the CP group must end with an error, none may hang, for every registered exchange.
+"""I5 under failure: one rank raises inside the attention kernel, after the layer's K/V exchange
+(with overlap: while it is in flight); every rank of the CP group must end with an error, none may
+hang, for every registered exchange.
 
 What ends the peers is what ends them in production: a rank whose step raised exits, and a
 dead process closes its gloo sockets, so peers waiting for it in any later collective raise
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp import kernels
-from hf_blockdiag_cp.planning import choose_exchange, exchange_names, plan_exchange, plan_layout
+from hf_blockdiag_cp.planning import choose_exchange, exchange_names, get_exchange, plan_exchange, plan_layout
 from hf_blockdiag_cp.step import document_ids_of
 from helpers.exchanges import heads_refusal
 from helpers.packs import make_pack
@@ -35,16 +36,16 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def fault_case(rank, world_size, group, exchange, layout, failing_rank, overrides):
+def fault_case(rank, world_size, group, exchange, layout, failing_rank, overrides, overlap=False):
     sub = dist.new_group(backend="gloo", timeout=timedelta(seconds=10 * CASE_TIMEOUT))
     original = kernels.get_kernel("dense")
 
     def faulty_kernel(q, k, v, step, **kwargs):
         if rank == failing_rank:
-            raise InjectedFault(f"injected failure in the kernel on rank {rank}, after the {step.kv_exchange} exchange")
+            raise InjectedFault(f"injected failure in the kernel on rank {rank}, after (overlap: during) the exchange")
         return original.fn(q, k, v, step, **kwargs)
 
-    config = bdcp.CPConfig("dense", exchange)
+    config = bdcp.CPConfig("dense", exchange, overlap=overlap)
     kernels.register_kernel(dataclasses.replace(original, fn=faulty_kernel))
     error, refused_again, ran = None, None, None
     try:
@@ -87,7 +88,8 @@ def fault_cases():
     every rank, or, for an exchange that cannot serve that (halo), short documents across shard
     boundaries, where only rank 1 talks to rank 2, so the failure reaches rank 0 through rank 1. A
     head-parallel exchange, which cannot split the tiny model's 4 query heads over 3 ranks, runs it
-    with 6 query / 3 kv heads."""
+    with 6 query / 3 kv heads. An exchange that can overlap attention runs again with overlap: the
+    failing rank then raises while its exchange is still in flight."""
     cases = []
     for name in exchange_names():
         overrides = {} if heads_refusal(name, WORLD_SIZE) is None else {"num_attention_heads": 6, "num_key_value_heads": 3}
@@ -95,17 +97,20 @@ def fault_cases():
             _, batch = make_pack(layout, WORLD_SIZE)
             ids = document_ids_of(batch, batch["input_ids"].shape[1])
             if choose_exchange(name, plan_exchange(plan_layout(ids, WORLD_SIZE))) == name:
-                cases.append((name, layout, failing_rank, overrides))
+                cases.append((name, layout, failing_rank, overrides, False))
+                if get_exchange(name).begin is not None:
+                    cases.append((name, layout, failing_rank, overrides, True))
                 break
     return cases
 
 
-@pytest.mark.parametrize("exchange, layout, failing_rank, overrides", fault_cases())
-def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank, overrides):
+@pytest.mark.parametrize("exchange, layout, failing_rank, overrides, overlap", fault_cases())
+def test_failure_after_exchange_ends_every_rank(gloo, exchange, layout, failing_rank, overrides, overlap):
     world_size = WORLD_SIZE
     pool = gloo(world_size)
     results, errors = pool.run_collecting(
-        fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank, overrides=overrides
+        fault_case, timeout=CASE_TIMEOUT, exchange=exchange, layout=layout, failing_rank=failing_rank, overrides=overrides,
+        overlap=overlap,
     )
     assert not results, f"ranks {sorted(results)} did not raise: {results}"
     assert sorted(errors) == list(range(world_size))
