@@ -77,11 +77,21 @@ def test_bf16_parity_gloo_on_gpu(gloo, backend, world_size, layout):
     assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout))
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
+def _verified_head_dim(backend: str) -> int:
+    """The tiny models' head dim, or 64 for fa4 (the dim it was verified at); skip a kernel that cannot run."""
+    head_dim = 64 if backend == "fa4" else GPU_MODEL["head_dim"]
+    reason = unsupported_reason(backend, torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
+    if reason is not None:
+        pytest.skip(reason)
+    return head_dim
+
+
+@pytest.mark.parametrize("backend", ["fa4", "varlen", "flex"])
 @pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (4, "padding_rank")])
 def test_bf16_parity_heads_exchange_on_gpu(gloo, backend, world_size, layout):
     """The head-parallel exchange: the kernel over the whole pack for H/G heads (kv heads < G at G = 4)."""
-    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, exchange="heads"))
+    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, exchange="heads",
+                                     head_dim=_verified_head_dim(backend)))
 
 
 @pytest.mark.parametrize("backend", ["fa4", "varlen", "flex", "dense"])
@@ -89,12 +99,8 @@ def test_bf16_parity_heads_exchange_on_gpu(gloo, backend, world_size, layout):
 def test_bf16_parity_overlap_on_gpu(gloo, backend, world_size, layout):
     """CPConfig(overlap=True): each kernel on both query parts (local keys during the all-gather, the
     gathered rows after it); fa4 at head dim 64, the dim it was verified at."""
-    head_dim = 64 if backend == "fa4" else GPU_MODEL["head_dim"]
-    reason = unsupported_reason(backend, torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
-    if reason is not None:
-        pytest.skip(reason)
     assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, overlap=True,
-                                     head_dim=head_dim))
+                                     head_dim=_verified_head_dim(backend)))
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -147,8 +153,4 @@ def sync_free_case(rank, world_size, group, backend, head_dim=GPU_MODEL["head_di
 
 @pytest.mark.parametrize("backend", ["varlen", "flex", "dense", "fa4"])
 def test_no_host_sync_in_attention(gloo, backend):
-    head_dim = 64 if backend == "fa4" else GPU_MODEL["head_dim"]  # fa4 runs only at head dims verified on a GPU
-    reason = unsupported_reason(backend, torch.device("cuda"), torch.bfloat16, head_dim, head_dim)
-    if reason is not None:
-        pytest.skip(reason)
-    assert gloo(1).run(sync_free_case, backend=backend, head_dim=head_dim) == [True]
+    assert gloo(1).run(sync_free_case, backend=backend, head_dim=_verified_head_dim(backend)) == [True]
