@@ -58,9 +58,9 @@ def pack(lengths: list[int], n_pad: int, seed: int):
     return docs, batch
 
 
-def train_step(model, batch, group):
+def train_step(model, batch, group, config=CONFIG):
     model.zero_grad(set_to_none=True)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=CONFIG)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     with train_ctx() as step:
         loss = model(**local).loss
         loss.backward()
@@ -68,7 +68,8 @@ def train_step(model, batch, group):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=PACKS, family="llama"):
+def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=PACKS, family="llama",
+                 overlap=False):
     """Per pack: the worst relative error against the eager model (this rank's loss and gradients)
     and against the reference (means over the group), and dynamo's running totals after the step."""
     torch._dynamo.reset()
@@ -82,7 +83,7 @@ def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_e
         docs, batch = pack(lengths, n_pad, seed)
         ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
         want_loss, want_grads = train_step(eager, batch, group)
-        loss, grads = train_step(compiled, batch, group)
+        loss, grads = train_step(compiled, batch, group, CONFIG.replace(overlap=overlap))
         totals = (int(counters["frames"]["ok"]), int(counters["stats"]["unique_graphs"]))
         vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
         vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, group, world_size)
@@ -107,12 +108,16 @@ def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL):
 
 
 @pytest.mark.parametrize(
-    "world_size,regions,checkpointing",
-    [(2, "model", False), (2, "layers", False), (2, "layers", True), (1, "model", False)],
-    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model"],
+    "world_size,regions,checkpointing,overlap",
+    [(2, "model", False, False), (2, "layers", False, False), (2, "layers", True, False), (1, "model", False, False),
+     (2, "model", True, True)],
+    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap"],
 )
-def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing):
-    results = gloo(world_size).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing)
+def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing, overlap):
+    """Also compiled with the exchange overlapped (against the eager model in order): its collectives
+    stay out of the graphs like the plain exchange's."""
+    results = gloo(world_size).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing,
+                                   overlap=overlap)
     _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}")
 
 
