@@ -38,8 +38,8 @@ class PendingExchange:
     """One exchange's collective in flight (forward), and later its reverse (backward).
 
     Holds no tensor once a direction has been waited for, so an autograd graph that keeps it
-    (activation checkpointing keeps a function's context) keeps no rows alive. Holds its group
-    weakly (`group_ref`, as the exchanges' autograd functions do)."""
+    (activation checkpointing keeps a function's context) keeps no rows alive, and holds its group
+    weakly (`group.group_ref`): a graph that outlives a failed step keeps no group's sockets open."""
 
     what = "exchange"  # how errors name the forward collective
     what_backward = "exchange backward"

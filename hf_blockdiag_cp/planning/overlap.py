@@ -66,9 +66,9 @@ def _run_of_key(plan: RankPlan) -> torch.Tensor:
 
 
 def _part(plan: RankPlan, keep: torch.Tensor, keys: torch.Tensor, key_rows: torch.Tensor, row_positions: torch.Tensor):
-    """The runs `keep` of `plan` with their keys `keys` (a mask over the plan's keys that keeps, of
-    each kept run, a subset ending with the run's own positions) as a plan of their own, its keys read from
-    `key_rows` (one row per key of `plan`); None without a run."""
+    """The runs `keep` of `plan`, with the keys `keys` (a mask over the plan's keys that keeps, of
+    each kept run, a subset ending with the run's own positions), as a plan of their own whose keys
+    are read from `key_rows` (one row per key of `plan`); None without a run."""
     if not bool(keep.any()):
         return None
     cu_q = plan.cu_seqlens_q.long()
