@@ -8,12 +8,10 @@ records the same metrics from the model's logits with `token_metrics`, combined 
 from __future__ import annotations
 
 import torch
+from trl.trainer.utils import entropy_from_logits
 
 from ...step import IGNORE_INDEX
 from ..trainer.setup import sum_over_world
-
-_ROWS_PER_CHUNK = 1024  # logit rows upcast to fp32 at a time: bounds the extra memory to [1024, V]
-
 
 def token_metrics(logits: torch.Tensor | None, shift_labels: torch.Tensor, document_ids: torch.Tensor,
                   world_size: int, fill: bool = False) -> dict[str, float | int]:
@@ -24,7 +22,8 @@ def token_metrics(logits: torch.Tensor | None, shift_labels: torch.Tensor, docum
     step shifted on the global pack: row i's target, -100 for none) and `document_ids` [1, L]
     (0 = padding). The rank sums its targets (labels != -100), the targets whose label is the
     first argmax of the logits (TRL's `is_top1`), the entropy of the next-token distribution over
-    its targets and its real tokens; ONE SUM all-reduce over every rank then adds the shards of
+    its targets (TRL's `entropy_from_logits`: chunked, its fused kernel where Triton runs) and its
+    real tokens; ONE SUM all-reduce over every rank then adds the shards of
     each pack (the CP group; the shards are disjoint) and the packs of the DP replicas (what TRL
     gathers with `accelerator.gather`). As TRL: accuracy = correct / targets and entropy =
     entropy sum / targets, 0.0 without targets. `num_tokens` is the real tokens of every pack
@@ -42,13 +41,9 @@ def token_metrics(logits: torch.Tensor | None, shift_labels: torch.Tensor, docum
         if logits is not None and where.numel():
             rows = logits.detach().reshape(labels.numel(), -1)
             with torch.no_grad():
-                parts = torch.zeros(2, dtype=torch.float64, device=rows.device)
-                for index in where.split(_ROWS_PER_CHUNK):
-                    chunk = rows[index].float()
-                    logp = torch.log_softmax(chunk, dim=-1)
-                    parts[0] += chunk.argmax(dim=-1).eq(labels[index]).sum()
-                    parts[1] += -(logp.exp() * logp).sum(dtype=torch.float64)
-            sums[1:3] = parts.cpu()
+                correct = rows.argmax(dim=-1)[where].eq(labels[where]).sum()
+                entropy = entropy_from_logits(rows)[where].sum(dtype=torch.float64)  # TRL's own, in row chunks
+            sums[1:3] = torch.stack([correct.double(), entropy]).cpu()
     targets, correct, entropy, tokens, with_logits = sum_over_world(sums, world_size).tolist()
     metrics: dict[str, float | int] = {"num_tokens": int(tokens)}
     if with_logits == world_size:
