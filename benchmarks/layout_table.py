@@ -176,12 +176,15 @@ def main() -> None:
             lines.append(row(name, packs, g))
             print(lines[-1], flush=True)
     lines += ["", "Planner CPU time against documents (best of 20, one thread, this host):", ""] + scaling(8) + scaling(16)[2:]
+    print(write_table(lines, Path(args.out) / "layout_table.md"))
+
+
+def write_table(lines: list[str], out: Path) -> str:
+    """Write the table's `lines` to `out` (creating its folder); return the text and where it went."""
     text = "\n".join(lines) + "\n"
-    print(text)
-    out = Path(args.out) / "layout_table.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
-    print(f"wrote {out}")
+    return f"{text}\nwrote {out}"
 
 
 if __name__ == "__main__":

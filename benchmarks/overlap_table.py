@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hf_blockdiag_cp.planning import overlap_work, plan_layout, rank_work
-from layout_table import CP_SIZES, scenarios
+from layout_table import CP_SIZES, scenarios, write_table
 
 LAYOUTS = ("contiguous", "balanced")
 
@@ -60,11 +60,7 @@ def main() -> None:
         for g in CP_SIZES:
             lines.append(row(name, packs, g))
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    out = Path(args.out) / "overlap_table.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(f"wrote {out}")
+    print(write_table(lines, Path(args.out) / "overlap_table.md"))
 
 
 if __name__ == "__main__":
