@@ -20,6 +20,8 @@ token of the texts once per epoch, not once per CP rank; the training logs also 
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 pytest.importorskip("trl")
@@ -112,9 +114,13 @@ def test_masked_tokens_carry_no_loss(gloo, kind):
 TOKEN_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
 
 
-def train_case(rank, world_size, group, cp_size, stock=False, **overrides):
-    """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training."""
-    with accelerate_env(rank, world_size) as out:
+def train_case(rank, world_size, group, cp_size, stock=False, transformers_version=None, **overrides):
+    """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training.
+    `transformers_version`: the version TRL reads while the trainer is built (its branches for older releases)."""
+    import transformers
+
+    version = transformers.__version__ if transformers_version is None else transformers_version
+    with accelerate_env(rank, world_size) as out, mock.patch.object(transformers, "__version__", version):
         model = tiny_model("sdpa" if stock else "blockdiag_cp")
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         kwargs = dict(model=model, args=sft_config(out, **overrides), train_dataset=sft_dataset("text"),
@@ -156,6 +162,18 @@ def test_training_matches_stock_sft_trainer(cp_training, stock_training):
             update = (w_ref - ref["initial"][name]).abs().max()
             err = (got["weights"][name] - w_ref).abs().max()
             assert update > 0 and err <= UPDATE_TOL * update, f"rank {rank} {name}: {err:.3e} off, update {update:.3e}"
+
+
+def test_training_under_trls_branch_for_transformers_before_5_19(gloo, stock_training):
+    """TRL on transformers < 5.19 turns `loss_is_scaled_for_ga` into compute_loss_func = a string and
+    model_accepts_loss_kwargs = False (the H200's transformers 5.17 raised at construction): built while
+    TRL reads 5.17.0, the trainer trains at cp = 1 with the stock SFTTrainer's losses over the
+    accumulated packs (a gradient-accumulation scale error would show)."""
+    (got,) = gloo(1).run(train_case, timeout=240, cp_size=1, transformers_version="5.17.0")
+    for step, (a, b) in enumerate(zip(got["losses"], stock_training["losses"], strict=True), start=1):
+        assert abs(a - b) <= LOSS_TOL * abs(b), f"step {step}: loss {a} vs stock {b}"
+    for step, (a, b) in enumerate(zip(got["grad_norms"], stock_training["grad_norms"], strict=True), start=1):
+        assert abs(a - b) <= GRAD_NORM_TOL * abs(b), f"step {step}: grad norm {a} vs stock {b}"
 
 
 def test_training_and_eval_log_trl_token_metrics(cp_training, stock_training):

@@ -88,8 +88,15 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
                 "data_collator must not be given to BlockdiagCPSFTTrainer: TRL's own collator reads its packs "
                 "(position_ids per document), and the trainer pads and shards them"
             )
-        super().__init__(*args, cp_size=cp_size, max_tokens=sft_args.max_length, cp_mesh=cp_mesh,
-                         cp_config=cp_config, **kwargs)
+        # TRL on transformers < 5.19 (which never reads `loss_is_scaled_for_ga`) turns a set value into
+        # compute_loss_func = "non-None value to disable scaling" and model_accepts_loss_kwargs = False, hiding
+        # num_items_in_batch from the model's loss. The mixin's loss needs neither: hide the attribute from TRL.
+        self.loss_is_scaled_for_ga = None
+        try:
+            super().__init__(*args, cp_size=cp_size, max_tokens=sft_args.max_length, cp_mesh=cp_mesh,
+                             cp_config=cp_config, **kwargs)
+        finally:
+            del self.loss_is_scaled_for_ga  # the mixin's class value again (transformers >= 5.19 reads it)
         if not isinstance(self.data_collator, DataCollatorForLanguageModeling):
             raise ValueError(
                 f"SFTTrainer chose {type(self.data_collator).__name__}; expected DataCollatorForLanguageModeling "
