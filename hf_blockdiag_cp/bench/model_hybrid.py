@@ -90,7 +90,8 @@ def build_models(args) -> Models:
     stock.to(args.device).train()
     ours, patches = stock, ()
     memory = getattr(args, "tiled_mlp", None) or getattr(args, "offload_checkpoints", False)
-    if patches_for(config) or memory:
+    compile_ours_only = args.compile != "none" and getattr(args, "eager_baselines", False)
+    if patches_for(config) or memory or compile_ours_only:
         methods = list(args.methods) + list(args.fit_methods)
         ours = copy.deepcopy(stock) if any(not m.startswith("blockdiag_cp") for m in methods) else stock
         patches = apply_model_patches(ours)
@@ -103,7 +104,8 @@ def build_models(args) -> Models:
         enable_checkpoint_offload(ours)
     if args.compile != "none":  # after the memory helpers: the compiled body runs inside their checkpoint
         for model in {id(stock): stock, id(ours): ours}.values():
-            compile_model(model, args.compile, backend=args.compile_backend)
+            if model is ours or not compile_ours_only:
+                compile_model(model, args.compile, backend=args.compile_backend)
     if args.stock_delta_rule == "torch":
         stock_kernels = functools.partial(stock_torch_kernels, stock)
     else:

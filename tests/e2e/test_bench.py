@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -40,17 +41,27 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
 
 
-def test_bench_model_compiled_cpu_smoke(tmp_path):
+@pytest.mark.parametrize("eager_baselines", [False, True])
+def test_bench_model_compiled_cpu_smoke(tmp_path, eager_baselines):
     """`--compile layers`: ours and the baseline compiled alike (activation checkpointing on, the
-    default), something compiled for each, nothing after each method's first step."""
+    default), something compiled for each, nothing after each method's first step; with
+    `--eager-baselines` nothing compiled for the baseline."""
+    torch._dynamo.reset()  # count this run's compilations, not cache hits of an earlier test's
     bench_main(["model", "--tiny", "--device", "cpu", "--layers", "2", "--methods", "blockdiag_cp/dense", "hf_sdpa",
                 "--seq-lens", "128", "--block-steps", "2", "--mean-doc-len", "32", "--dtype", "float32",
-                "--compile", "layers", "--compile-backend", "aot_eager", "--out", str(tmp_path)])
+                "--compile", "layers", "--compile-backend", "aot_eager", "--out", str(tmp_path)]
+               + ["--eager-baselines"] * eager_baselines)
     result = json.loads((tmp_path / "model.json").read_text())
     assert result["args"]["compile"] == "layers"
-    for row in result["rows"]:
-        assert row["graphs_compiled"] > 0 and row["graphs_compiled_later"] == 0, row
-        assert row["tokens_per_s"] > 0
+    ours, baseline = result["rows"]
+    assert ours["graphs_compiled"] > 0 and ours["graphs_compiled_later"] == 0, ours
+    assert (baseline["graphs_compiled"] == 0) if eager_baselines else (baseline["graphs_compiled"] > 0), baseline
+    assert baseline["graphs_compiled_later"] == 0 and ours["tokens_per_s"] > 0 and baseline["tokens_per_s"] > 0
+
+
+def test_eager_baselines_needs_compile():
+    with pytest.raises(SystemExit, match="--eager-baselines: expected --compile"):
+        bench_main(["model", "--tiny", "--device", "cpu", "--eager-baselines"])
 
 
 def test_bench_model_hybrid_cpu_smoke(tmp_path):
