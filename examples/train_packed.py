@@ -95,14 +95,14 @@ TINY_ARCHS = ("llama", "qwen3_5")
 
 
 def tiny_config(arch: str, vocab_size: int, max_tokens: int):
-    """A tiny random-init config of `arch` (no download): 64 hidden, 4 heads (2 K/V heads); the Llama's
-    head dim is 64, a size every kernel runs (fa4 too, so `--attn-backend fa4` works on a GPU as written)."""
+    """A tiny random-init config of `arch` (no download): 64 hidden, 4 heads (2 K/V heads) of dim 64, a
+    size every kernel runs (fa4 too, so `--attn-backend fa4` works on a GPU as written)."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=max(max_tokens, 2048), tie_word_embeddings=False)
     if arch == "qwen3_5":  # 2 gated delta-rule layers, then 2 full-attention layers
         from transformers import Qwen3_5TextConfig
 
-        return Qwen3_5TextConfig(**common, head_dim=16, num_hidden_layers=4,
+        return Qwen3_5TextConfig(**common, head_dim=64, num_hidden_layers=4,
                                  layer_types=["linear_attention"] * 2 + ["full_attention"] * 2,
                                  linear_num_key_heads=4, linear_num_value_heads=8,
                                  linear_key_head_dim=16, linear_value_head_dim=16)
