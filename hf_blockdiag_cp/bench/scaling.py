@@ -123,7 +123,9 @@ def plot(rows, path: Path, overlaps, caption: str) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multigpu", required=True,
                    help="multigpu_G<G>.json of a G > 1 run of benchmarks/multigpu.py (overlap + e2e parts)")
-    p.add_argument("--kernels", required=True, help="kernels.json of `bench kernels` with ours/<kernel> rows")
+    p.add_argument("--kernels", required=True, nargs="+",
+                   help="kernels.json of `bench kernels` with ours/<kernel> rows, one per head dim (`--head-dim`): each "
+                        "model takes the rates measured at its head dim, else the nearest measured (said in the report)")
     p.add_argument("--kernel", default="varlen",
                    help="attention kernel of the e2e rows without a `kernel` key, and of the predictions")
     p.add_argument("--inter-gbps", type=float, default=INTER_NODE_GBPS_PER_GPU,
@@ -147,12 +149,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate-only", action="store_true", help="skip the G = 2..32 predictions (fast)")
 
 
-def _inputs_section(args, env: dict, rates: KernelRates, net, r_lin: dict) -> list[str]:
+def rate_sources(args, results: dict, rates: KernelRates) -> list[dict]:
+    """Per model and kernel that the validation or the predictions use: the model's head dim and the
+    head dim whose measured kernel rates stand for it (`substituted` where they differ)."""
+    e2e = results.get("parts", {}).get("e2e", {}).get("rows", [])
+    pairs = dict.fromkeys([(r.get("model"), r.get("kernel") or args.kernel) for r in e2e]
+                          + [(m, args.kernel) for m in args.models])
+    out = []
+    for model, kernel in pairs:
+        if model in E2E_CONFIGS:
+            head_dim = E2E_CONFIGS[model]["head_dim"]
+            measured = rates.measured_head_dim(kernel, head_dim)
+            out.append({"model": model, "kernel": kernel, "head_dim": head_dim, "rates_head_dim": measured,
+                        "substituted": measured != head_dim})
+    return out
+
+
+def _inputs_section(args, env: dict, rates: KernelRates, net, r_lin: dict, sources: list[dict]) -> list[str]:
     machine = f"{env.get('gpu', env.get('device'))} x{env['G']}, torch {env.get('torch')}, NCCL {env.get('nccl')}"
+    used = dict.fromkeys((s["kernel"], s["rates_head_dim"]) for s in sources)
+    substituted = [f"{s['model']} (head dim {s['head_dim']}, {s['kernel']}) uses the rates measured at head dim "
+                   f"{s['rates_head_dim']}" for s in sources if s["substituted"]]
     return [
-        f"Inputs: `{args.multigpu}` ({machine}, {env.get('date', '')[:10]}), kernel rates `{args.kernels}` "
-        f"(kernel {args.kernel}: "
-        + ", ".join(f"{_fmt_tokens(s)} {t:.0f} TF/s" for s, t in rates.points[args.kernel]) + "), bf16.",
+        f"Inputs: `{args.multigpu}` ({machine}, {env.get('date', '')[:10]}), kernel rates `{' '.join(args.kernels)}` ("
+        + "; ".join(f"{k} at head dim {d}: " + ", ".join(f"{_fmt_tokens(s)} {t:.0f} TF/s" for s, t in rates.points[(k, d)])
+                    for k, d in used) + "), bf16.",
+        *(["", "**Not calibrated at the model's head dim:** " + "; ".join(substituted)
+           + " (pass a `bench kernels --head-dim D` JSON for each)."] if substituted else []),
         "", "Measured effective collective rates (GB/s, median of the overlap rows): "
         + ", ".join(f"{k[0]} {k[1]} {v:.0f}" for k, v in sorted(net.bw.items()))
         + f"; inter-node assumption {args.inter_gbps:g} GB/s per GPU; latency per ring step "
@@ -202,9 +225,10 @@ def main(args) -> int:
     verdicts = {part: f"{sum(v['status'] == 'PASS' for v in vs)}/{len(vs)} within {100 * args.tolerance:g} %"
                 for part in ("e2e", "attention") for vs in [[v for v in vrows if v["measurement"].startswith(part)]] if vs}
     env = results["env"]
+    sources = rate_sources(args, results, rates)
     command = " ".join(["hf-blockdiag-cp-bench", *getattr(args, "argv", ["scaling"])])
     md = ["# Scaling model (bench scaling)", "", "```", command, "```", "",
-          *_inputs_section(args, env, rates, net, r_lin), "",
+          *_inputs_section(args, env, rates, net, r_lin, sources), "",
           f"## Validation at G = {env['G']} (tolerance {100 * args.tolerance:g} %, gate: {args.gate}): "
           f"{'PASS' if ok else 'FAIL'}",
           "", "; ".join(f"{k}: {v}" for k, v in verdicts.items()) + ". The attention-part rows check the kernel + exchange "
@@ -213,7 +237,7 @@ def main(args) -> int:
           markdown_table(vrows, ["measurement", "quantity", "predicted", "measured", "rel_err_pct", "status"]), ""]
     payload = {"inputs": {"multigpu": args.multigpu, "kernels": args.kernels, "env": env},
                "network_gbps": {f"{k[0]}/{k[1]}": v for k, v in net.bw.items()}, "bandwidth_samples": bw_rows,
-               "r_lin_tflops": r_lin, "assumptions": {"inter_gbps_per_gpu": args.inter_gbps, "node_gpus": NODE_GPUS,
+               "r_lin_tflops": r_lin, "kernel_rates": sources, "assumptions": {"inter_gbps_per_gpu": args.inter_gbps, "node_gpus": NODE_GPUS,
                                                       "latency_ms": net.latency_ms, "kernel": args.kernel, "layout": args.layout,
                                                       "exchange": args.exchange, "checkpointing": args.checkpointing},
                "validation": vrows, "validation_ok": ok, "gate": args.gate, "verdicts": verdicts}

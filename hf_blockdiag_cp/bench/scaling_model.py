@@ -67,25 +67,42 @@ class Network:
 
 
 class KernelRates:
-    """Useful fwd+bwd TFLOP/s of a kernel against pack length (single GPU), interpolated in log2(S), clamped."""
+    """Useful fwd+bwd TFLOP/s of each kernel at each head dim against pack length (single GPU),
+    interpolated in log2(S), clamped. `points[(kernel, head_dim)]` = [(S, TFLOP/s), ...]."""
 
-    def __init__(self, points: dict[str, list[tuple[int, float]]]):
+    def __init__(self, points: dict[tuple[str, int], list[tuple[int, float]]]):
         self.points = {k: sorted(v) for k, v in points.items()}
+        for (kernel, head_dim), pts in self.points.items():
+            lengths = [S for S, _ in pts]
+            if len(set(lengths)) != len(lengths):
+                raise ValueError(f"kernel {kernel!r} at head dim {head_dim}: a pack length measured twice ({lengths})")
 
     @classmethod
-    def from_json(cls, path) -> "KernelRates":
-        """`bench kernels` JSON: rows with `seq_len`, `method` ("ours/<kernel>"), `tflops`."""
-        pts: dict[str, list] = {}
-        for r in json.loads(Path(path).read_text())["rows"]:
-            m = str(r.get("method", ""))
-            if m.startswith("ours/") and r.get("tflops"):
-                pts.setdefault(m.split("/", 1)[1], []).append((int(r["seq_len"]), float(r["tflops"])))
+    def from_json(cls, paths) -> "KernelRates":
+        """`bench kernels` JSONs, each at one head dim (its `args.head_dim`): rows with `seq_len`,
+        `method` ("ours/<kernel>"), `tflops`."""
+        pts: dict[tuple[str, int], list] = {}
+        for path in [paths] if isinstance(paths, (str, Path)) else paths:
+            data = json.loads(Path(path).read_text())
+            head_dim = data.get("args", {}).get("head_dim")
+            if head_dim is None:
+                raise ValueError(f"{path}: no args.head_dim; expected a kernels.json written by `bench kernels`")
+            for r in data["rows"]:
+                m = str(r.get("method", ""))
+                if m.startswith("ours/") and r.get("tflops"):
+                    pts.setdefault((m.split("/", 1)[1], int(head_dim)), []).append((int(r["seq_len"]), float(r["tflops"])))
         return cls(pts)
 
-    def tflops(self, kernel: str, S: int) -> float:
-        if kernel not in self.points:
-            raise ValueError(f"no measured rate for kernel {kernel!r}; the kernels JSON has {sorted(self.points)}")
-        pts = self.points[kernel]
+    def measured_head_dim(self, kernel: str, head_dim: int) -> int:
+        """`head_dim` if `kernel` was measured at it, else the nearest measured head dim (the larger on a
+        tie), whose rates then stand in; `bench scaling` reports every such substitution."""
+        dims = sorted(d for k, d in self.points if k == kernel)
+        if not dims:
+            raise ValueError(f"no measured rate for kernel {kernel!r}; the kernels JSONs have {sorted({k for k, _ in self.points})}")
+        return min(dims, key=lambda d: (abs(d - head_dim), -d))
+
+    def tflops(self, kernel: str, S: int, head_dim: int) -> float:
+        pts = self.points[(kernel, self.measured_head_dim(kernel, head_dim))]
         if S <= pts[0][0]:
             return pts[0][1]
         if S >= pts[-1][0]:
@@ -178,7 +195,8 @@ def attention_ms(cfg: dict, S: int, cost: PackCost, st: Setup) -> float:
     """Slowest rank's attention compute over all layers (fwd, bwd = 2.5x fwd, + fwd recompute)."""
     c = 3.5 + (1.0 if st.checkpointing else 0.0)
     fwd_flops = 4.0 * cfg["num_attention_heads"] * cfg["head_dim"] * cost.max_work
-    return cfg["num_hidden_layers"] * c * fwd_flops / (st.rates.tflops(st.kernel, S) * 1e12) * 1e3
+    rate = st.rates.tflops(st.kernel, S, cfg["head_dim"])
+    return cfg["num_hidden_layers"] * c * fwd_flops / (rate * 1e12) * 1e3
 
 
 def kv_exchange_ms(cfg: dict, G: int, cost: PackCost, st: Setup) -> float:

@@ -25,7 +25,7 @@ LENGTHS = (3000, 17, 900, 4000, 64, 5, 2200, 1000, 6000, 1200, 46)  # 18,432 = 6
 def synthetic(bw=math.inf, latency=0.0, r_lin=math.inf, overlap=0.0, layout="balanced", lengths=LENGTHS):
     net = Network({("allgather", "fwd"): bw, ("allgather", "bwd"): bw}, inter_gbps=bw,
                   latency_ms={"intra": latency, "inter": latency})
-    rates = KernelRates({"k": [(1024, 100.0), (65536, 300.0)]})
+    rates = KernelRates({("k", CFG["head_dim"]): [(1024, 100.0), (65536, 300.0)]})
     return Setup(rates, net, r_lin, kernel="k", layout=layout, overlap=overlap, packs=lambda S: lengths)
 
 
@@ -81,11 +81,32 @@ def test_allreduce_closed_form_and_inter_node_rate():
 
 
 def test_kernel_rate_interpolates_in_log_length_and_clamps():
-    rates = KernelRates({"k": [(1024, 100.0), (4096, 300.0)]})
-    assert rates.tflops("k", 2048) == pytest.approx(200.0)
-    assert rates.tflops("k", 16) == 100.0 and rates.tflops("k", 1 << 20) == 300.0
+    rates = KernelRates({("k", 128): [(1024, 100.0), (4096, 300.0)]})
+    assert rates.tflops("k", 2048, 128) == pytest.approx(200.0)
+    assert rates.tflops("k", 16, 128) == 100.0 and rates.tflops("k", 1 << 20, 128) == 300.0
     with pytest.raises(ValueError, match="no measured rate for kernel 'fa4'"):
-        rates.tflops("fa4", 2048)
+        rates.tflops("fa4", 2048, 128)
+    with pytest.raises(ValueError, match="a pack length measured twice"):
+        KernelRates({("k", 128): [(1024, 100.0), (1024, 110.0)]})
+
+
+def test_kernel_rates_are_per_head_dim(tmp_path):
+    """Each head dim takes its own measured rates, else the nearest measured head dim's (the larger on a
+    tie); the JSONs of `bench kernels` give the head dim of their rows, and one without it is refused."""
+    for head_dim, top in ((64, 150.0), (128, 300.0)):
+        rows = [{"method": "ours/k", "seq_len": 1024, "tflops": top / 3}, {"method": "ours/k", "seq_len": 4096, "tflops": top},
+                {"method": "sdpa one causal doc (ceiling)", "seq_len": 1024, "tflops": 999.0}]
+        (tmp_path / f"k{head_dim}.json").write_text(json.dumps({"args": {"head_dim": head_dim}, "rows": rows}))
+    rates = KernelRates.from_json([tmp_path / "k64.json", tmp_path / "k128.json"])
+    assert sorted(rates.points) == [("k", 64), ("k", 128)]
+    assert rates.tflops("k", 4096, 64) == 150.0 and rates.tflops("k", 4096, 128) == 300.0
+    assert [rates.measured_head_dim("k", d) for d in (16, 64, 80, 96, 128, 256)] == [64, 64, 64, 128, 128, 128]
+    faster = replace(synthetic(), rates=rates)
+    half = step_ms(dict(CFG, head_dim=64), 8192, 1, faster)["attention"]
+    assert step_ms(dict(CFG, head_dim=128), 8192, 1, faster)["attention"] == pytest.approx(half)  # 2x the FLOPs at 2x the rate
+    (tmp_path / "bare.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="no args.head_dim"):
+        KernelRates.from_json(tmp_path / "bare.json")
 
 
 def _e2e_row(model, G, S, step_s, **extra):
@@ -150,15 +171,16 @@ def test_cli_recovers_the_rates_a_run_was_made_with(tmp_path):
     0.1 %, exit status 0, all outputs written, the planned overlap among the predictions."""
     net = Network({("allgather", "fwd"): 40.0, ("allgather", "bwd"): 20.0})
     rates = {"dense": [(1024, 0.5), (8192, 2.0)]}
-    st = Setup(KernelRates(rates), net, 0.25, kernel="dense", layout="balanced")
     cfg, S = E2E_CONFIGS["tiny"], 8192
+    st = Setup(KernelRates({("dense", cfg["head_dim"]): rates["dense"]}), net, 0.25, kernel="dense", layout="balanced")
     e2e = [_e2e_row("tiny", g, n, step_ms(cfg, n, g, st)["total"] / 1e3) for g, n in ((1, S // 2), (1, S), (2, S))]
     overlapped = _e2e_row("tiny", 2, S, step_ms(cfg, S, 2, replace(st, overlap_plan=True))["total"] / 1e3)
     e2e.append({**overlapped, "overlap": True})  # a run with CPConfig(overlap=True): validated as built
     run = {"env": {"G": 2, "argv": ["benchmarks/multigpu.py", "--e2e-layout", "balanced"]},
            "args": {"tiny": True, "setups": ["magi"], "magi_packs": 1},
            "parts": {"overlap": {"rows": _overlap_rows(2, net)}, "e2e": {"rows": e2e}}}
-    kernels = {"rows": [{"method": f"ours/{k}", "seq_len": s, "tflops": t} for k, pts in rates.items() for s, t in pts]}
+    kernels = {"args": {"head_dim": cfg["head_dim"]},
+               "rows": [{"method": f"ours/{k}", "seq_len": s, "tflops": t} for k, pts in rates.items() for s, t in pts]}
     (tmp_path / "run.json").write_text(json.dumps(run))
     (tmp_path / "kernels.json").write_text(json.dumps(kernels))
     out = tmp_path / "out"
@@ -167,12 +189,21 @@ def test_cli_recovers_the_rates_a_run_was_made_with(tmp_path):
     result = json.loads((out / "scaling_model.json").read_text())
     assert result["network_gbps"] == pytest.approx({"allgather/fwd": 40.0, "allgather/bwd": 20.0})
     assert result["r_lin_tflops"] == pytest.approx({"tiny": 0.25})
+    assert result["kernel_rates"] == [{"model": "tiny", "kernel": "dense", "head_dim": cfg["head_dim"],
+                                       "rates_head_dim": cfg["head_dim"], "substituted": False}]
     assert len(result["validation"]) == 8 and result["validation_ok"]
     assert all(abs(v["rel_err_pct"]) < 0.1 for v in result["validation"]), result["validation"]
     assert [(p["tokens"], p["G"]) for p in result["predictions"]] == [(8192, 2), (8192, 4), (16384, 2), (16384, 4)]
     for p in result["predictions"]:  # hiding under the local attention is between none and all of it
         assert p["step_s_f0"] >= p["step_s_fplanned"] >= p["step_s_f1"], p
     assert (out / "scaling_model.md").exists() and (out / "scaling_model.png").exists()
+    # the same rates filed under another head dim: they stand in for the model's, and the report says so
+    (tmp_path / "kernels.json").write_text(json.dumps({**kernels, "args": {"head_dim": 2 * cfg["head_dim"]}}))
+    bench_main(["scaling", "--multigpu", str(tmp_path / "run.json"), "--kernels", str(tmp_path / "kernels.json"),
+                "--kernel", "dense", "--models", "tiny", "--validate-only", "--out", str(out)])
+    result = json.loads((out / "scaling_model.json").read_text())
+    assert result["validation_ok"] and [r["substituted"] for r in result["kernel_rates"]] == [True]
+    assert "Not calibrated at the model's head dim" in (out / "scaling_model.md").read_text()
 
 
 def test_exchange_time_is_zero_on_one_rank():
