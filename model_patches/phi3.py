@@ -15,6 +15,7 @@ pack (the longest document decides), not per document.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -62,7 +63,10 @@ def _global_rope_forward(self, x, position_ids, *args, **kwargs):
     top = global_max_position(step, position_ids)
     probe = torch.full((1, 1), top, dtype=position_ids.dtype, device=position_ids.device)
     decorated(self, x, probe, *args, **kwargs)  # only for its frequency update, from the global maximum
-    return decorated.__wrapped__(self, x, position_ids, *args, **kwargs)
+    # The body alone: every wrapper off, since transformers < 5.18 puts torch.no_grad() around
+    # dynamic_rope_update, whose update must not run again on this shard's positions.
+    with torch.no_grad():
+        return inspect.unwrap(decorated)(self, x, position_ids, *args, **kwargs)
 
 
 def apply(model: torch.nn.Module) -> None:

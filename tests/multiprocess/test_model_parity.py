@@ -114,6 +114,24 @@ def test_phi3_longrope_mixed_pack_matches_stock_packed_run(gloo):
     _assert_parity(results, "phi3 (mixed pack)")
 
 
+def rotary_under_no_grad_case(rank, world_size, group):
+    """phi3's parity with the rotary forward declared as transformers < 5.18 declares it:
+    torch.no_grad() around dynamic_rope_update around the body."""
+    from unittest import mock
+
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    with mock.patch.object(Phi3RotaryEmbedding, "forward", torch.no_grad()(Phi3RotaryEmbedding.forward)):
+        return model_parity_case(rank, world_size, group, family="phi3")
+
+
+def test_phi3_longrope_with_the_rotary_forward_under_no_grad(gloo):
+    """At G = 4 rank 0 holds positions 0..7 only; its frequency update must stay the pack's. With
+    transformers 5.17's torch.no_grad() wrapper the patch once ran the update again on the shard's
+    own positions (loss 6.5e-4 off on rank 0)."""
+    _assert_parity(gloo(4).run(rotary_under_no_grad_case), "phi3 (rotary under no_grad)")
+
+
 def test_phi3_mixed_pack_reference_differs_per_document():
     """The mixed-pack reference is not the per-document one (so the test above can tell them apart)."""
     ref, _ = build_pair("phi3")
