@@ -21,6 +21,15 @@ def tiny_model(attn: str = "blockdiag_cp", **overrides):
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
 
 
+def checkpointing_settings(use_reentrant: bool) -> dict:
+    """TrainingArguments fields that turn activation checkpointing on, in this transformers' spelling:
+    `activation_checkpointing*` (5.19 on) or `gradient_checkpointing*` (the 5.17 floor)."""
+    from transformers import TrainingArguments
+
+    prefix = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
+    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": use_reentrant}}
+
+
 def trainer_settings(output_dir: str, accumulation: int, steps: int) -> dict:
     """The Trainer tests' arguments: plain SGD without clipping (a gradient scale error shows in the
     weights; Adam would hide it), one pack per micro-batch, a log per step, CPU, no checkpoints."""

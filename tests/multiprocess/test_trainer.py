@@ -29,7 +29,7 @@ from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
-from helpers.trainer import accelerate_env, counting_attention, tiny_model, trainer_settings
+from helpers.trainer import accelerate_env, checkpointing_settings, counting_attention, tiny_model, trainer_settings
 from helpers.trainer import quiet as _quiet
 
 MAX_TOKENS = 48
@@ -240,7 +240,7 @@ def compiled_case(rank, world_size, group, arg_overrides):
 
 
 @pytest.mark.parametrize(
-    "arg_overrides", [{}, {"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}}],
+    "arg_overrides", [{}, checkpointing_settings(use_reentrant=False)],
     ids=["plain", "activation-checkpointing"],
 )
 def test_trainer_torch_compile_matches_stock_trainer(gloo, reference, arg_overrides):
@@ -274,7 +274,7 @@ def setup_error_case(rank, world_size, group, mistake):
         elif mistake == "batch_size":
             overrides["per_device_train_batch_size"] = 2
         elif mistake == "reentrant":
-            overrides.update(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": True})
+            overrides.update(checkpointing_settings(use_reentrant=True))
         elif mistake == "cp_size":
             kwargs["cp_size"] = 3
             kwargs["max_tokens"] = 6 * 8

@@ -14,9 +14,9 @@ def test_callback_checks_activation_checkpointing_mode():
     callback = BlockdiagCPCallback(cp_size=1)
     model = tiny_model()
     callback.check_setup(model, world_size=1)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     callback.check_setup(model, world_size=1)
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     with pytest.raises(ValueError, match="reentrant activation checkpointing"):
         callback.check_setup(model, world_size=1)
     with pytest.raises(ValueError, match="cp_size must be a positive integer"):

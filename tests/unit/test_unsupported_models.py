@@ -14,6 +14,7 @@ import warnings
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
@@ -48,6 +49,8 @@ def _meta_model(model_type: str):
 
 @pytest.mark.parametrize("model_type", sorted(UNSUPPORTED_MODEL_TYPES))
 def test_apply_model_patches_refuses(model_type):
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type!r} config (added after it)")
     model = _meta_model(model_type)
     with pytest.raises(NotImplementedError) as info:
         apply_model_patches(model)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from transformers import TrainerCallback
 
 from ...step.state import StepChoices
-from .setup import check_model_setup
+from .setup import check_model_setup, checkpointing_kwargs
 
 
 @dataclass
@@ -82,8 +82,7 @@ class BlockdiagCPCallback(TrainerCallback):
         check_model_setup(model, world_size, self.cp_size, activation_checkpointing_kwargs)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        kwargs = getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
-        self.check_setup(model, args.world_size, kwargs)
+        self.check_setup(model, args.world_size, checkpointing_kwargs(args))
         self.meter = TokenMeter(world_size=args.world_size)
 
     def record(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:

@@ -109,11 +109,18 @@ def check_model_setup(model, world_size: int, cp_size: int, activation_checkpoin
     _check_checkpointing(model, activation_checkpointing_kwargs)
 
 
+def checkpointing_kwargs(args) -> dict | None:
+    """The TrainingArguments' checkpointing keyword arguments under either spelling:
+    `activation_checkpointing_kwargs` (transformers >= 5.19) or `gradient_checkpointing_kwargs` (before)."""
+    return getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
+
+
 def _check_checkpointing(model, activation_checkpointing_kwargs: dict | None) -> None:
     kwargs = activation_checkpointing_kwargs or {}
     if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is True:
         raise ValueError(
-            "activation_checkpointing_kwargs has use_reentrant=True; expected {'use_reentrant': False}: "
+            "the checkpointing kwargs (TrainingArguments.activation_checkpointing_kwargs, before transformers 5.19 "
+            "gradient_checkpointing_kwargs) have use_reentrant=True; expected {'use_reentrant': False}: "
             "block-diagonal CP recomputes attention with the step's keyword arguments, which needs "
             "non-reentrant checkpointing"
         )
@@ -121,7 +128,8 @@ def _check_checkpointing(model, activation_checkpointing_kwargs: dict | None) ->
         raise ValueError(
             "the model uses reentrant activation checkpointing (use_reentrant=True or not given); expected "
             "non-reentrant: enable it with activation_checkpointing_kwargs={'use_reentrant': False} "
-            "(TrainingArguments) or model.activation_checkpointing_enable()"
+            "(TrainingArguments; gradient_checkpointing_kwargs before transformers 5.19) or the model's "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
         )
 
 
@@ -167,7 +175,7 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
     """Misconfigurations of a constructed Trainer that would silently break I2 or run the Trainer's own CP."""
     args = trainer.args
     check_launched_world(args)
-    check_model_setup(trainer.model, args.world_size, cp_size, getattr(args, "activation_checkpointing_kwargs", None))
+    check_model_setup(trainer.model, args.world_size, cp_size, checkpointing_kwargs(args))
     check_no_foreign_parallelism("accelerator", getattr(trainer.accelerator, "parallelism_config", None))
     if args.per_device_train_batch_size != 1:
         raise ValueError(
