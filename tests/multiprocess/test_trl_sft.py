@@ -116,7 +116,7 @@ TOKEN_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
 
 def train_case(rank, world_size, group, cp_size, stock=False, transformers_version=None, **overrides):
     """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training.
-    `transformers_version`: the version TRL reads while the trainer is built (its branches for older releases)."""
+    `transformers_version`: the version TRL reads during the run (its branches for older releases)."""
     import transformers
 
     version = transformers.__version__ if transformers_version is None else transformers_version
