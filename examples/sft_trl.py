@@ -45,6 +45,7 @@ from shared_args import (  # same folder: the examples' argument checks
     cp_config,
     layout_error,
     loaded,
+    process_group_closed,
 )
 from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 from trainer_packed import add_schedule_arguments, run_metrics, training_arguments  # the Trainer example, same folder
@@ -180,4 +181,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with process_group_closed():
+        sys.exit(main())

@@ -8,6 +8,7 @@ bad argument ends the run on every rank with one `error:` line and exit status 2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -17,6 +18,19 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
 from hf_blockdiag_cp.kernels import kernel_names
 from hf_blockdiag_cp.planning import exchange_names, layout_strategies
+
+
+@contextlib.contextmanager
+def process_group_closed():
+    """Destroy the default process group when the block ends, also on an error: a gloo group left to the
+    interpreter's exit can abort a finished rank there ("terminate called without an active exception")."""
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def fail(reason: str) -> NoReturn:

@@ -43,7 +43,9 @@ from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
 from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_distributed, unwrap_model, wrap_model
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from shared_args import OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded  # same folder
+from shared_args import (  # same folder
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded, process_group_closed,
+)
 
 IGNORE_INDEX = -100
 
@@ -359,11 +361,8 @@ def train(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launch(args)  # before any collective: a bad argument ends every rank with one line
-    try:
+    with process_group_closed():
         train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

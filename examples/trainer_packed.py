@@ -42,7 +42,9 @@ import torch
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
-from shared_args import OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded  # same folder
+from shared_args import (  # same folder
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded, process_group_closed,
+)
 from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 
 
@@ -208,4 +210,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with process_group_closed():
+        sys.exit(main())
