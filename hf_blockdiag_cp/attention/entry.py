@@ -109,7 +109,7 @@ def blockdiag_attention(
     head-parallel exchange around the kernel. `module` (the attention module, or None) names the call in errors."""
     # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
     # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
-    q, k, v = (t.squeeze(0).transpose(0, 1) for t in (query, key, value))
+    q, k, v = (t.squeeze(0).transpose(0, 1) for t in _autocast_inputs(query, key, value))
     record = get_exchange(step.kv_exchange)
     if record.head_parallel:
         out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, module=module)
@@ -120,6 +120,20 @@ def blockdiag_attention(
         out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
     step.attention_calls += 1
     return out.unsqueeze(0)
+
+
+def _autocast_inputs(query, key, value):
+    """q, k, v in autocast's dtype when autocast is on and they are fp32, else as given.
+
+    Under `torch.autocast` an fp32 model's rotary output is fp32, and stock SDPA (on autocast's
+    lower-precision list) and Transformers' flash attention both attend in the autocast dtype; so
+    does the step: the same numerics as the stock model, and fa4 / varlen (bf16 or fp16 only) stay
+    usable under `bf16=True` mixed precision. The exchange then moves half the bytes."""
+    device_type = query.device.type
+    if query.dtype != torch.float32 or not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return (t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
 
 
 def overlapped_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features):
