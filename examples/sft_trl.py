@@ -43,7 +43,9 @@ from shared_args import (  # same folder: the examples' argument checks
     check_ranges,
     config_error,
     cp_config,
+    dataset_error,
     layout_error,
+    load_raw_dataset,
     loaded,
     process_group_closed,
 )
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path, with its tokenizer (default: a tiny Llama "
                    "config, random init, and a character tokenizer)")
-    p.add_argument("--dataset", default=None, help="a datasets name or local json/jsonl/csv/parquet file(s) in a format "
+    p.add_argument("--dataset", default=None, help="a datasets name or a local json/jsonl/csv/parquet/txt file in a format "
                    "SFTTrainer takes (text, messages, prompt/completion, input_ids; default: generated sums)")
     p.add_argument("--examples", type=int, default=4000, help="generated prompt/completion examples (default dataset)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per pack: SFTConfig.max_length (a multiple of 2*cp)")
@@ -79,7 +81,7 @@ def parse_args(argv=None):
 
 def argument_error(args, world_size: int) -> str | None:
     """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
-    return layout_error(args, world_size, pack_flag="max_length") or config_error(args)
+    return layout_error(args, world_size, pack_flag="max_length") or config_error(args) or dataset_error(args)
 
 
 # --------------------------------------------------------------------------- tokenizer, model, data
@@ -127,15 +129,7 @@ def sums(n: int, seed: int):
 def load_data(args):
     if args.dataset is None:
         return sums(args.examples, args.seed)
-    from datasets import load_dataset
-
-    path = Path(args.dataset)
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if path.is_file():
-        if path.suffix not in builders:
-            raise ValueError(f"--dataset {args.dataset!r}: unknown file type {path.suffix!r}; expected one of {sorted(builders)}")
-        return load_dataset(builders[path.suffix], data_files=str(path), split="train")
-    return load_dataset(args.dataset, split="train")
+    return load_raw_dataset(args.dataset)
 
 
 def sft_config(args, world_size: int, cp_size: int):

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import hf_blockdiag_cp as bdcp
@@ -109,6 +110,35 @@ def layout_error(args, world_size: int, pack_flag: str = "max_tokens") -> str | 
     return None
 
 
+# Local data files `--dataset` takes, by suffix: the `datasets` builder that reads each.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+
+
+def dataset_error(args) -> str | None:
+    """Why `--dataset` cannot load, where that is known without loading it, or None: a name with a
+    data-file suffix is a local path (never a Hub id), so a missing one fails here at once instead of
+    after `datasets` has tried the network; a file of another type is refused by name."""
+    value = getattr(args, "dataset", None)
+    if value is None:
+        return None
+    path = Path(value)
+    if path.suffix in DATA_FILE_BUILDERS and not path.exists():
+        return f"--dataset {value!r}: no such file"
+    if path.is_file() and path.suffix not in DATA_FILE_BUILDERS:
+        return f"--dataset {value!r}: unknown file type {path.suffix!r}; expected one of {sorted(DATA_FILE_BUILDERS)}"
+    return None
+
+
+def load_raw_dataset(value: str, split: str = "train", config: str | None = None):
+    """`--dataset` as a `datasets.Dataset`: a local data file by its suffix, else a folder or Hub name."""
+    from datasets import load_dataset
+
+    path = Path(value)
+    if path.is_file():
+        return load_dataset(DATA_FILE_BUILDERS[path.suffix], data_files=str(path), split=split)
+    return load_dataset(value, config, split=split)
+
+
 def loaded(what: str, load, *args):
     """`load(*args)`, or `fail` with one line when the model or data named on the command line cannot
     be loaded (every rank loads the same, so every rank fails alike)."""
@@ -119,8 +149,9 @@ def loaded(what: str, load, *args):
 
 
 def argument_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
-    return layout_error(args, world_size) or config_error(args)
+    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names,
+    then a local `--dataset` file), or None."""
+    return layout_error(args, world_size) or config_error(args) or dataset_error(args)
 
 
 def check_launch(args, errors=argument_error) -> int:

@@ -44,7 +44,8 @@ from hf_blockdiag_cp.data import packed_dataloader
 from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_distributed, unwrap_model, wrap_model
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from shared_args import (  # same folder
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded, process_group_closed,
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
+    process_group_closed,
 )
 
 IGNORE_INDEX = -100
@@ -133,18 +134,6 @@ def build_model(args, vocab_size: int):
     return model.train()
 
 
-def _load_raw_dataset(args):
-    from datasets import load_dataset
-
-    path = Path(args.dataset)
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text", ".text": "text"}
-    if path.is_file():
-        if path.suffix not in builders:
-            raise ValueError(f"--dataset {args.dataset!r}: unknown file type {path.suffix!r}; expected one of {sorted(builders)}")
-        return load_dataset(builders[path.suffix], data_files=str(path), split=args.split)
-    return load_dataset(args.dataset, args.dataset_config, split=args.split)
-
-
 def load_tokenizer(args):
     """The model's tokenizer when text must be tokenized for `--model`, else None (byte tokens)."""
     if args.model is None or args.byte_tokens:
@@ -168,7 +157,7 @@ def load_training_data(args):
         raw = datasets.Dataset.from_dict({"text": [d.text.decode("utf-8", "replace") for d in corpus.documents()]})
         text_column = "text"
     else:
-        raw = _load_raw_dataset(args)
+        raw = load_raw_dataset(args.dataset, args.split, args.dataset_config)
         text_column = args.text_column
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
     if "input_ids" in raw.column_names:  # already tokenized

@@ -43,7 +43,8 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from shared_args import (  # same folder
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, loaded, process_group_closed,
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
+    process_group_closed,
 )
 from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 
@@ -108,16 +109,7 @@ def load_training_data(args):
     """A `datasets.Dataset` of documents with `input_ids` (byte tokens for text; id 0 = padding)."""
     if args.dataset is None:
         return corpus.load_corpus()
-    from datasets import load_dataset
-
-    path = Path(args.dataset)
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-    if path.is_file():
-        if path.suffix not in builders:
-            raise ValueError(f"--dataset {args.dataset!r}: unknown file type {path.suffix!r}; expected one of {sorted(builders)}")
-        raw = load_dataset(builders[path.suffix], data_files=str(path), split="train")
-    else:
-        raw = load_dataset(args.dataset, split="train")
+    raw = load_raw_dataset(args.dataset)
     if "input_ids" in raw.column_names:
         return raw.select_columns(["input_ids"] + (["labels"] if "labels" in raw.column_names else []))
     if "text" not in raw.column_names:

@@ -52,6 +52,7 @@ def test_cp2_sft_run_matches_one_process(tmp_path):
         (2, ["--cp-size", "3"], "--cp-size=3 must be a positive divisor of the number of processes (2)"),
         (1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         (1, ["--kv-exchange", "bogus"], "--kv-exchange='bogus' is not a K/V exchange; accepted: auto, "),
+        (1, ["--dataset", "missing/sft.jsonl"], "--dataset 'missing/sft.jsonl': no such file"),
         (4, ["--cp-size", "2", "--max-length", "260"], None),
     ],
 )

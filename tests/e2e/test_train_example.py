@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hf_blockdiag_cp.data.corpus import decode_bytes
 from hf_blockdiag_cp.kernels import kernel_names
 from helpers.scripts import finish as _finish
 from helpers.scripts import free_port as _free_port
@@ -119,7 +120,8 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
         ("train_packed.py", 0, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
         ("train_packed.py", 1, ["--cp-size", "0"], "--cp-size=0 must be a positive divisor of the number of processes (2)"),
-        ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset: "),
+        ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset 'missing/data.jsonl': no such file"),
+        ("train_packed.py", 1, ["--dataset", "README.md"], "--dataset 'README.md': unknown file type '.md'; expected one of "),
         ("trainer_packed.py", 1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("train_packed.py", 1, ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
         ("trainer_packed.py", 0, ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
@@ -172,3 +174,20 @@ def test_one_process_accelerate_cpu_launch_names_torchrun(script):
     assert run.returncode != 0
     assert len(errors) == 1, _output_lines(run)[-10:]
     assert f"`torchrun --standalone --nproc-per-node N {path} --steps 1`" in errors[0], errors
+
+
+def test_local_data_files_load_by_their_suffix(tmp_path):
+    """`--dataset` with a local file: the examples read it with the `datasets` builder of its suffix
+    (`shared_args.load_raw_dataset`), and the Trainer example turns its text into byte tokens."""
+    texts = ["first document", "second, longer document", "3"]
+    files = {"docs.jsonl": "\n".join(json.dumps({"text": t}) for t in texts) + "\n",
+             "docs.csv": "text\n" + "\n".join(f'"{t}"' for t in texts) + "\n",
+             "docs.txt": "\n".join(texts) + "\n"}
+    shared = load_script(ROOT / "examples" / "shared_args.py", "shared_args_example")
+    for name, content in files.items():
+        (tmp_path / name).write_text(content)
+        assert shared.load_raw_dataset(str(tmp_path / name))["text"] == texts, name
+    trainer_example = load_script(ROOT / "examples" / "trainer_packed.py", "trainer_packed_example")
+    args = trainer_example.parse_args(["--dataset", str(tmp_path / "docs.jsonl")])
+    data = trainer_example.load_training_data(args)
+    assert [decode_bytes(ids).decode() for ids in data["input_ids"]] == texts
