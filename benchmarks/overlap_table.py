@@ -9,6 +9,8 @@ packs of a scenario:
   busiest   the local share of the rank with the most work (what the step waits for)
   min       the smallest local share over the ranks
   all       the pack's local work over its whole work
+  by keys   the busiest rank's share of work whose key it holds (`key_local_work`): what a split
+            by keys, merged by log-sum-exp, could run during the exchange (not built)
 The exchange hides completely on a rank when its local part takes at least as long as the exchange.
 Run: python benchmarks/overlap_table.py [--packs 16] [--out bench_out]
 """
@@ -21,25 +23,28 @@ from pathlib import Path
 
 import torch
 
-from hf_blockdiag_cp.planning import overlap_work, plan_layout, rank_work
+from hf_blockdiag_cp.planning import key_local_work, overlap_work, plan_layout, rank_work
 from layout_table import CP_SIZES, scenarios, write_table
 
 LAYOUTS = ("contiguous", "balanced")
 
 
-def shares(lengths: list[int], g: int, layout: str) -> tuple[float, float, float]:
-    """(busiest rank's local share, smallest local share, the pack's local share) of one layout."""
+def shares(lengths: list[int], g: int, layout: str) -> tuple[float, float, float, float]:
+    """(busiest rank's local share, smallest local share, the pack's local share, the busiest rank's
+    share by keys) of one layout."""
     lay = plan_layout(lengths, g, layout)
-    work, local = rank_work(lay).double(), overlap_work(lay).double()
+    work, local, by_keys = rank_work(lay).double(), overlap_work(lay).double(), key_local_work(lay).double()
     share = torch.where(work > 0, local / work.clamp(min=1), torch.ones_like(work))
-    return float(share[int(work.argmax())]), float(share.min()), float(local.sum() / work.sum())
+    busiest = int(work.argmax())
+    return (float(share[busiest]), float(share.min()), float(local.sum() / work.sum()),
+            float(by_keys[busiest] / work[busiest].clamp(min=1)))
 
 
 def row(name: str, packs: list[list[int]], g: int) -> str:
     cells = []
     for layout in LAYOUTS:
         per_pack = [shares(lengths, g, layout) for lengths in packs]
-        cells += [f"{100 * statistics.fmean(p[i] for p in per_pack):.0f}" for i in range(3)]
+        cells += [f"{100 * statistics.fmean(p[i] for p in per_pack):.0f}" for i in range(4)]
     return f"| {name} | {g} | " + " | ".join(cells) + " |"
 
 
@@ -53,8 +58,8 @@ def main() -> None:
         f"Local share of attention work under overlap (%), 128k-token packs, {args.packs} random packs per scenario "
         f"(mean). Histogram: {path.name}.",
         "",
-        "| pack | G | contiguous: busiest | min | all | balanced: busiest | min | all |",
-        "|---|---|---|---|---|---|---|---|",
+        "| pack | G | contiguous: busiest | min | all | by keys | balanced: busiest | min | all | by keys |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, packs in cases.items():
         for g in CP_SIZES:

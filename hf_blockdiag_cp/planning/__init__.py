@@ -16,6 +16,7 @@ from . import balance  # noqa: F401  (registers the "balanced" layout strategy)
 from .cost import (
     LayoutCost,
     ideal_cost,
+    key_local_work,
     layout_cost,
     overlap_work,
     rank_cost,
@@ -102,6 +103,7 @@ __all__ = [
     "head_parallel_rows_per_layer",
     "head_split_reason",
     "ideal_cost",
+    "key_local_work",
     "key_row_levels",
     "kv_head_repeats",
     "kv_row_bytes",

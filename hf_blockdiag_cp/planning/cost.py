@@ -1,7 +1,8 @@
 """What a layout costs: per-rank attention work, predicted kernel cost, real tokens and K/V bytes.
 
 Pure planning. Work is the number of true entries of a rank's rows of the block-causal mask
-(`overlap_work`: of the rows that attend while the exchange runs);
+(`overlap_work`: of the rows that attend while the exchange runs; `key_local_work`: of the
+entries whose key the rank holds);
 cost is what a tiled kernel is predicted to spend on the rank's query runs (`KernelCost`,
 the arithmetic's home is `planning.kernel_cost`); bytes come from the exchange records
 (`exchange_registry`) over the layout's exchange plan.
@@ -42,6 +43,17 @@ def overlap_work(layout: Layout) -> torch.Tensor:
         k_lens = (local.plan.cu_seqlens_k[1:] - local.plan.cu_seqlens_k[:-1]).long()
         work.append(int(run_pairs(k_lens - q_lens, q_lens).sum()))
     return torch.tensor(work, dtype=torch.long)
+
+
+def key_local_work(layout: Layout) -> torch.Tensor:
+    """`[G]` attention work per rank over keys it holds: the query-key pairs of its rows whose key is on
+    the rank too. What a split by keys (the local keys while the exchange is in flight, the rest after
+    it, merged by log-sum-exp) could run during the exchange; never less than `overlap_work`. A row
+    at position p sees its segment from `segment_starts[p]` to p; the rank holds those of its rows
+    from the first at or after that start to the row itself (rows are in increasing pack order)."""
+    pos = layout.slot_positions
+    first_held = torch.searchsorted(pos, layout.segments.segment_starts[pos].contiguous())
+    return (torch.arange(pos.shape[1]) - first_held + 1).sum(dim=1)
 
 
 def rank_runs(layout: Layout, rank: int) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,7 @@ every key of its run (its document from the start up to the run's last query) is
 rank, or is padding; each part's plan allows exactly the (query, key position) pairs the full plan
 allows for its queries (padding queries: those of keys on the rank), with key rows that name
 those positions; and the merge puts the parts back in
-query order; `overlap_work` counts the local part's pairs. Whole models under overlap on gloo: tests/multiprocess/test_overlap.py and the
+query order; `overlap_work` counts the local part's pairs, `key_local_work` every pair whose key the rank holds. Whole models under overlap on gloo: tests/multiprocess/test_overlap.py and the
 parity matrix."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import hf_blockdiag_cp  # noqa: F401  (registers the exchange records)
 from hf_blockdiag_cp.planning import (
     exchange_records,
     get_exchange,
+    key_local_work,
     overlap_work,
     plan_exchange,
     plan_overlap,
@@ -106,6 +107,9 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
             pairs = [(q, k) for q, k in full_pairs if q in brute_positions]
             local_pairs = sum(1 for q, k in pairs if layout.document_ids[q] > 0 or k in held)
             assert int(overlap_work(layout)[rank]) == local_pairs
+            # What a split by keys could run during the exchange: every pair whose key this rank holds.
+            key_pairs = sum(1 for q, k in full_pairs if q in held and k in held)
+            assert int(key_local_work(layout)[rank]) == key_pairs >= local_pairs
         # The merge restores query order from cat([local, remote]) (or cat([remote, local])).
         order = torch.tensor(remote + local if split.remote_first else local + remote)
         merged = order if split.merge_index is None else order[split.merge_index]
