@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -23,30 +24,36 @@ from .setups import E2E_CONFIGS
 
 
 PLANNED = "planned"  # an `--overlaps` value: the overlap as built (CPConfig.overlap; Setup.overlap_plan)
+KEYS = "keys"  # an `--overlaps` value: a split by keys, not built (Setup.overlap_by_keys)
 
 
 def overlap_value(text: str):
-    """An `--overlaps` value: a fraction in [0, 1], or "planned"."""
-    if text == PLANNED:
-        return PLANNED
-    value = float(text)
+    """An `--overlaps` value: a fraction in [0, 1], "planned" or "keys"."""
+    if text in (PLANNED, KEYS):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"an overlap is a fraction in [0, 1] or {PLANNED!r}; got {text!r}")
+        raise argparse.ArgumentTypeError(f"an overlap is a fraction in [0, 1], {PLANNED!r} or {KEYS!r}; got {text!r}")
     return value
 
 
 def fkey(f) -> str:
     """How columns and labels name an overlap value."""
-    return f if f == PLANNED else f"{f:g}"
+    return f if f in (PLANNED, KEYS) else f"{f:g}"
 
 
 def with_overlap(st: Setup, f) -> Setup:
-    return replace(st, overlap=0.0, overlap_plan=True) if f == PLANNED else replace(st, overlap=f, overlap_plan=False)
+    if f in (PLANNED, KEYS):
+        return replace(st, overlap=0.0, overlap_plan=True, overlap_by_keys=f == KEYS)
+    return replace(st, overlap=f, overlap_plan=False, overlap_by_keys=False)
 
 
 def predictions(models, sizes, tokens, base: Setup, r_lin: dict, overlaps=(0.0, 1.0)) -> list[dict]:
     """Per model, pack and G: per-GPU efficiency (same pack, same tokens per GPU) and step time per overlap value
-    (a fraction, or "planned": the overlap as built), with the step's breakdown at the first one."""
+    (a fraction, "planned": the overlap as built, or "keys": a split by keys), with the step's breakdown at the first one."""
     rows = []
     fallback = r_lin.get("1.2b") or next(iter(r_lin.values()))
     for m in models:
@@ -132,9 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="inter-node GB/s per GPU (default 8 x 400 Gb/s / 8 GPUs)")
     p.add_argument("--latency-intra-ms", type=float, default=LATENCY_MS["intra"])
     p.add_argument("--latency-inter-ms", type=float, default=LATENCY_MS["inter"])
-    p.add_argument("--overlaps", type=overlap_value, nargs="+", default=[0.0, PLANNED, 1.0],
-                   help="K/V exchange overlaps to predict: fractions hidden, or planned (CPConfig.overlap as built: "
-                        "hidden under the attention of the queries whose keys are local)")
+    p.add_argument("--overlaps", type=overlap_value, nargs="+", default=[0.0, PLANNED, KEYS, 1.0],
+                   help="K/V exchange overlaps to predict: fractions hidden, planned (CPConfig.overlap as built: "
+                        "hidden under the attention of the queries whose keys are local), or keys (a split by keys, "
+                        "not built: hidden under the attention over local keys)")
     p.add_argument("--layout", default="balanced")
     p.add_argument("--exchange", default="allgather", choices=["allgather", "a2a"],
                    help="a2a: rough (its measured time is mostly a fixed per-call cost, modelled here as bytes / rate)")
@@ -193,7 +201,7 @@ def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tup
     caption = (f"Predicted, not measured beyond G = {G_measured}: {args.kernel} kernel rates and collective rates measured, "
                f"inter-node {args.inter_gbps:g} GB/s per GPU assumed; bf16, activation checkpointing, {args.layout} layout, "
                f"{args.exchange}; packs {', '.join(_fmt_tokens(s) for s in args.tokens)} (real length histogram, cap S/4); "
-               f"solid f={fkey(ov[0])}, dashed f={fkey(ov[-1])}, dotted between (planned: the overlap as built)")
+               f"solid f={fkey(ov[0])}, dashed f={fkey(ov[-1])}, dotted between (planned: the overlap as built; keys: split by keys, not built)")
     plot(prow, Path(args.out) / "scaling_model.png", ov, caption)
     md = [f"## Predicted per-GPU efficiency, same total pack (%, {fl})", "",
           "tokens/s per GPU at G over the model's G = 1 on the same pack (memory ignored).", "",

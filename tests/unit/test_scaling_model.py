@@ -15,7 +15,7 @@ from hf_blockdiag_cp.bench.__main__ import main as bench_main
 from hf_blockdiag_cp.bench.scaling_fit import calibrate_linear_rate, validate
 from hf_blockdiag_cp.bench.scaling_model import KernelRates, Network, Setup, kv_exchange_ms, model_sizes, pack_cost, step_ms
 from hf_blockdiag_cp.bench.setups import E2E_CONFIGS, attention_setups
-from hf_blockdiag_cp.planning import kv_row_bytes, layout_cost, overlap_work, plan_layout, rank_work
+from hf_blockdiag_cp.planning import key_local_work, kv_row_bytes, layout_cost, overlap_work, plan_layout, rank_work
 
 CFG = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
@@ -57,7 +57,8 @@ def test_exposed_exchange_adds_bytes_over_bandwidth():
 @pytest.mark.parametrize("bw", [10.0, 1000.0])  # the exchange longer, then shorter than the local attention
 def test_planned_overlap_hides_the_exchange_under_the_local_attention(bw):
     """overlap_plan: hidden = min(T_kv, T_attn x the busiest rank's local work share), the share taken
-    from the planner's overlap split of the same layout (`overlap_work`)."""
+    from the planner's overlap split of the same layout (`overlap_work`); with overlap_by_keys, from
+    its work over keys it holds (`key_local_work`)."""
     G, S = 4, sum(LENGTHS)
     lay = plan_layout(list(LENGTHS), G, "balanced")
     work = rank_work(lay)
@@ -69,6 +70,11 @@ def test_planned_overlap_hides_the_exchange_under_the_local_attention(bw):
     hidden = min(plain["kv"], share * plain["attention"])
     assert planned["kv_exposed"] == pytest.approx(plain["kv"] - hidden)
     assert planned["total"] == pytest.approx(plain["total"] - hidden)
+    # A split by keys (not built): the same with the busiest rank's share of work over keys it holds.
+    key_share = int(key_local_work(lay)[busiest]) / int(work[busiest])
+    assert share < key_share < 1.0
+    by_keys = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan=True, overlap_by_keys=True))
+    assert by_keys["kv_exposed"] == pytest.approx(plain["kv"] - min(plain["kv"], key_share * plain["attention"]))
 
 
 def test_allreduce_closed_form_and_inter_node_rate():
@@ -195,7 +201,7 @@ def test_cli_recovers_the_rates_a_run_was_made_with(tmp_path):
     assert all(abs(v["rel_err_pct"]) < 0.1 for v in result["validation"]), result["validation"]
     assert [(p["tokens"], p["G"]) for p in result["predictions"]] == [(8192, 2), (8192, 4), (16384, 2), (16384, 4)]
     for p in result["predictions"]:  # hiding under the local attention is between none and all of it
-        assert p["step_s_f0"] >= p["step_s_fplanned"] >= p["step_s_f1"], p
+        assert p["step_s_f0"] >= p["step_s_fplanned"] >= p["step_s_fkeys"] >= p["step_s_f1"], p
     assert (out / "scaling_model.md").exists() and (out / "scaling_model.png").exists()
     # the same rates filed under another head dim: they stand in for the model's, and the report says so
     (tmp_path / "kernels.json").write_text(json.dumps({**kernels, "args": {"head_dim": 2 * cfg["head_dim"]}}))
@@ -209,3 +215,14 @@ def test_cli_recovers_the_rates_a_run_was_made_with(tmp_path):
 def test_exchange_time_is_zero_on_one_rank():
     st = synthetic(bw=1.0, latency=1.0)
     assert kv_exchange_ms(CFG, 1, pack_cost(LENGTHS, 1, "contiguous"), st) == 0.0
+
+
+def test_overlaps_argument_names_what_it_takes():
+    import argparse
+
+    from hf_blockdiag_cp.bench.scaling import overlap_value
+
+    assert [overlap_value(t) for t in ("0", "0.5", "planned", "keys")] == [0.0, 0.5, "planned", "keys"]
+    for bad in ("bogus", "1.5", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"a fraction in \\[0, 1\\], 'planned' or 'keys'; got '{bad}'"):
+            overlap_value(bad)
