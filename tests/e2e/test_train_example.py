@@ -110,21 +110,35 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
 
 
 @pytest.mark.parametrize(
+    "script, args, expected",
+    [
+        ("trainer_packed.py", ["--max-tokens", "1001"], "--max-tokens=1001 must be a multiple of 2*cp=4"),
+        ("train_packed.py", ["--cp-size", "1", "--packs-per-step", "3"],
+         "--packs-per-step=3 must be divisible by dp=2 (processes 2 / cp 1)"),
+        ("trainer_packed.py", ["--cp-size", "3"], "--cp-size=3 must be a positive divisor of the number of processes (2)"),
+        ("train_packed.py", ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
+        ("train_packed.py", ["--cp-size", "0"], "--cp-size=0 must be a positive divisor of the number of processes (2)"),
+        ("train_packed.py", ["--dataset", "README.md"], "--dataset 'README.md': unknown file type '.md'; expected one of "),
+        ("trainer_packed.py", ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
+        ("train_packed.py", ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
+        ("trainer_packed.py", ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
+    ],
+)
+def test_argument_errors_name_the_flag(script, args, expected):
+    """The reason the launch check gives for each bad value on 2 processes, in process (the exit on
+    every rank is the next test's, once per kind of check)."""
+    shared = load_script(ROOT / "examples" / "shared_args.py", "shared_args_example")
+    example = load_script(ROOT / "examples" / script, script.removesuffix(".py") + "_example")
+    reason = shared.argument_error(example.parse_args(args), 2)
+    assert reason is not None and reason.startswith(expected), reason
+
+
+@pytest.mark.parametrize(
     "script, rank, args, expected",
     [
         ("train_packed.py", 0, ["--max-tokens", "1001"], "--max-tokens=1001 must be a multiple of 2*cp=4"),
-        ("trainer_packed.py", 1, ["--max-tokens", "1001"], "--max-tokens=1001 must be a multiple of 2*cp=4"),
-        ("train_packed.py", 1, ["--cp-size", "1", "--packs-per-step", "3"],
-         "--packs-per-step=3 must be divisible by dp=2 (processes 2 / cp 1)"),
-        ("trainer_packed.py", 0, ["--cp-size", "3"], "--cp-size=3 must be a positive divisor of the number of processes (2)"),
-        ("train_packed.py", 0, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
         ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
-        ("train_packed.py", 1, ["--cp-size", "0"], "--cp-size=0 must be a positive divisor of the number of processes (2)"),
         ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset 'missing/data.jsonl': no such file"),
-        ("train_packed.py", 1, ["--dataset", "README.md"], "--dataset 'README.md': unknown file type '.md'; expected one of "),
-        ("trainer_packed.py", 1, ["--attn-backend", "bogus"], "--attn-backend='bogus' is not a kernel; accepted: auto, "),
-        ("train_packed.py", 1, ["--kv-exchange", "ring"], "--kv-exchange='ring' is not a K/V exchange; accepted: auto, "),
-        ("trainer_packed.py", 0, ["--layout", "zigzag"], "--layout='zigzag' is not a layout; accepted: contiguous, "),
         ("train_packed.py", 1, ["--overlap", "--kv-exchange", "heads"],
          "--overlap with --kv-exchange='heads': overlap=True needs a kv_exchange that can overlap attention"),
     ],
@@ -132,7 +146,8 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):
     """One rank of a 2-process world, started alone: had it reached the process group (or any
     collective) it would wait for its missing peer until the timeout. It must instead exit 2 at
-    once, its output ending with the one-line reason and holding no traceback."""
+    once, its output ending with the one-line reason and holding no traceback. One case per kind of
+    check (sizes, argparse ranges, the data file, the CPConfig fields), over both scripts and ranks."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
                WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
