@@ -19,17 +19,17 @@ from pathlib import Path
 
 from .common import markdown_table, write_json
 from .scaling_fit import TOLERANCE, calibrate_linear_rate, network_from_overlap, validate
-from .scaling_model import INTER_NODE_GBPS_PER_GPU, LATENCY_MS, NODE_GPUS, KernelRates, Setup, per_gpu_efficiency, step_ms
+from .scaling_model import INTER_NODE_GBPS_PER_GPU, LATENCY_MS, NODE_GPUS, OVERLAP_PLANS, KernelRates, Setup
+from .scaling_model import per_gpu_efficiency, step_ms
 from .setups import E2E_CONFIGS
 
 
-PLANNED = "planned"  # an `--overlaps` value: the overlap as built (CPConfig.overlap; Setup.overlap_plan)
-KEYS = "keys"  # an `--overlaps` value: a split by keys, not built (Setup.overlap_by_keys)
+PLANNED, KEYS = OVERLAP_PLANS  # `--overlaps` values besides fractions: the split as built, a split by keys
 
 
 def overlap_value(text: str):
     """An `--overlaps` value: a fraction in [0, 1], "planned" or "keys"."""
-    if text in (PLANNED, KEYS):
+    if text in OVERLAP_PLANS:
         return text
     try:
         value = float(text)
@@ -42,13 +42,11 @@ def overlap_value(text: str):
 
 def fkey(f) -> str:
     """How columns and labels name an overlap value."""
-    return f if f in (PLANNED, KEYS) else f"{f:g}"
+    return f if f in OVERLAP_PLANS else f"{f:g}"
 
 
 def with_overlap(st: Setup, f) -> Setup:
-    if f in (PLANNED, KEYS):
-        return replace(st, overlap=0.0, overlap_plan=True, overlap_by_keys=f == KEYS)
-    return replace(st, overlap=f, overlap_plan=False, overlap_by_keys=False)
+    return replace(st, overlap=0.0, overlap_plan=f) if f in OVERLAP_PLANS else replace(st, overlap=f, overlap_plan=None)
 
 
 def predictions(models, sizes, tokens, base: Setup, r_lin: dict, overlaps=(0.0, 1.0)) -> list[dict]:

@@ -22,6 +22,11 @@ from .setups import E2E_CONFIGS, SETUP_NAMES, attention_setups
 TOLERANCE = 0.10
 
 
+
+def _run_plan(row: dict) -> str | None:
+    """The overlap a run's row was measured with: the split as built for `CPConfig(overlap=True)`, else none."""
+    return "planned" if row.get("overlap") is True else None
+
 def _heads(s: str) -> tuple[int, int, int]:
     q, rest = s.split("/")
     kv, d = rest.split("x")
@@ -114,7 +119,7 @@ def validate_e2e(results: dict, base: Setup, r_lin: dict, tol: float = TOLERANCE
             continue
         st = replace(base, r_lin_tflops=r_lin.get(r["model"], fallback), kernel=r.get("kernel") or base.kernel,
                      layout=r.get("layout") or run_layout, exchange=r.get("exchange") or "allgather",
-                     overlap=0.0, overlap_plan=r.get("overlap") is True)  # the run's CPConfig.overlap
+                     overlap=0.0, overlap_plan=_run_plan(r))  # the run's CPConfig.overlap
         p = step_ms(cfg, S, g, st)
         name = f"e2e {r['model']} S={S} G={g}"
         out.append(_vrow(name, "step_s", p["total"] / 1e3, r["step_s"], tol))
@@ -145,7 +150,7 @@ def validate_attention(results: dict, net: Network, tol: float = TOLERANCE) -> l
         row_b = kv_row_bytes(s["kv_heads"], s["head_dim"], s["head_dim"], BYTES_PER_ELEMENT)
         comm = sum(net.collective_ms(cost.rows[(kind, d)] * row_b, G, kind, d) for d in ("fwd", "bwd"))
         attn = ideal * cost.max_work * G / cost.total_work
-        pred = attn + cost.exposed_ms(comm, attn, 0.0, r.get("overlap") is True)
+        pred = attn + cost.exposed_ms(comm, attn, 0.0, _run_plan(r))
         mode = kind + ("+overlap" if r.get("overlap") else "")
         out.append(_vrow(f"attention {r['setup']}/{r['pack']} {mode} {r['layout']}", "fwd+bwd % of 1/G ideal",
                          100 * ideal / pred, r["fwdbwd_pct_ideal"], tol))

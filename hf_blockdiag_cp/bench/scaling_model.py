@@ -12,11 +12,11 @@ exchange records' `rows_per_layer` over `plan_exchange`) on the pack (`Setup.pac
 the multi-GPU benchmark's end-to-end pack). R_attn: measured single-GPU useful TFLOP/s of the
 kernel, interpolated in log2(S). B(G): measured collective rates within a node (G <= `node_gpus`),
 capped by an inter-node share per GPU beyond. f: the overlapped fraction of the K/V exchange (never
-more than the attention it runs under); or, as built (`CPConfig(overlap=True)`, `Setup.overlap_plan`),
-hidden = min(T_kv, T_attn * local share), the share of the busiest rank's work that attends while
-its exchange runs (`planning.overlap_work`); with `Setup.overlap_by_keys`, the share of its work over
-keys it holds (`planning.key_local_work`), for a split by keys that is not built. Memory is not modelled. docs/scaling.md explains the terms
-and their inputs.
+more than the attention it runs under); or a planned split (`Setup.overlap_plan`): hidden =
+min(T_kv, T_attn * s), s the share of the busiest rank's work that can attend while its exchange
+runs: "planned", the split as built (`CPConfig(overlap=True)`, `planning.overlap_work`), or "keys",
+a split by keys that is not built (`planning.key_local_work`). Memory is not modelled.
+docs/scaling.md explains the terms and their inputs.
 """
 
 from __future__ import annotations
@@ -139,6 +139,12 @@ def e2e_pack(tokens: int) -> tuple[int, ...]:
     return tuple(e2e_pack_lengths(tokens))
 
 
+# Planned overlaps, by the name `bench scaling --overlaps` takes: per rank, the work that can attend
+# while its exchange runs. "planned": the split by queries as built (CPConfig.overlap); "keys": a
+# split by keys, merged by log-sum-exp (not built).
+OVERLAP_PLANS = {"planned": overlap_work, "keys": key_local_work}
+
+
 @dataclass(frozen=True)
 class PackCost:
     """Per-rank quantities of one layout that the step model needs (rows, not bytes: models differ in row size)."""
@@ -147,17 +153,13 @@ class PackCost:
     max_work: int
     total_work: int
     rows: dict  # (exchange, direction) -> max over ranks of K/V rows received per layer
-    local_share: float = 0.0  # the busiest rank's work that attends while its exchange runs, as a share of it
-    key_share: float = 0.0  # the busiest rank's work over keys it holds, as a share of it (a split by keys)
+    # Per `OVERLAP_PLANS` name: the busiest rank's work that can attend while its exchange runs, as a share of it.
+    overlap_shares: dict = field(default_factory=dict)
 
-    def exposed_ms(self, kv_ms: float, attn_ms: float, f: float, planned: bool, by_keys: bool = False) -> float:
+    def exposed_ms(self, kv_ms: float, attn_ms: float, f: float, plan: str | None = None) -> float:
         """Exchange time the step waits for: all of it less what hides under attention (`f` of it,
-        never more than the attention; `planned`: under the local share of the attention, or with
-        `by_keys` under the share over local keys)."""
-        if planned:
-            hidden = min(kv_ms, (self.key_share if by_keys else self.local_share) * attn_ms)
-        else:
-            hidden = min(f * kv_ms, attn_ms)
+        never more than the attention; with a `plan`, under that plan's share of the attention)."""
+        hidden = min(f * kv_ms, attn_ms) if plan is None else min(kv_ms, self.overlap_shares[plan] * attn_ms)
         return kv_ms - hidden
 
 
@@ -168,9 +170,6 @@ def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> Pac
     lay = plan_layout(list(lengths), G, layout)
     work = rank_work(lay).tolist()
     busiest = max(range(G), key=work.__getitem__)
-    def share(part) -> float:
-        return int(part[busiest]) / work[busiest] if G > 1 and work[busiest] else 0.0
-
     plan = plan_exchange(lay)
     rows = {}
     for record in exchange_records():
@@ -178,14 +177,16 @@ def pack_cost(lengths: tuple[int, ...], G: int, layout: str = "balanced") -> Pac
             per_rank = [record.rows_per_layer(plan, r) for r in range(G)]
             rows[(record.name, "fwd")] = max(f for f, _ in per_rank)
             rows[(record.name, "bwd")] = max(b for _, b in per_rank)
-    return PackCost(lay.local_len, max(work), sum(work), rows, share(overlap_work(lay)), share(key_local_work(lay)))
+    shares = {name: int(part(lay)[busiest]) / work[busiest] if G > 1 and work[busiest] else 0.0
+              for name, part in OVERLAP_PLANS.items()}
+    return PackCost(lay.local_len, max(work), sum(work), rows, shares)
 
 
 @dataclass(frozen=True)
 class Setup:
     """Everything but the pack size and G: rates, network, kernel, layout, exchange, overlap (a
-    fraction `overlap`, or the overlap as built, `overlap_plan`; with `overlap_by_keys` a split by
-    keys), checkpointing, and `packs(S)`, the document lengths of the pack of S tokens."""
+    fraction `overlap`, or a planned split, `overlap_plan`: a name of `OVERLAP_PLANS`),
+    checkpointing, and `packs(S)`, the document lengths of the pack of S tokens."""
 
     rates: KernelRates
     net: Network
@@ -194,8 +195,7 @@ class Setup:
     layout: str = "balanced"
     exchange: str = "allgather"
     overlap: float = 0.0
-    overlap_plan: bool = False
-    overlap_by_keys: bool = False
+    overlap_plan: str | None = None
     checkpointing: bool = True
     packs: Callable[[int], Sequence[int]] = field(default=e2e_pack, compare=False)
 
@@ -226,7 +226,7 @@ def step_ms(cfg: dict, S: int, G: int, st: Setup, lengths=None) -> dict:
     lin = cost.local_len * linear_flops_per_token(cfg, st.checkpointing) / (st.r_lin_tflops * 1e12) * 1e3
     attn = attention_ms(cfg, S, cost, st)
     kv = kv_exchange_ms(cfg, G, cost, st)
-    exposed = cost.exposed_ms(kv, attn, st.overlap, st.overlap_plan, st.overlap_by_keys)
+    exposed = cost.exposed_ms(kv, attn, st.overlap, st.overlap_plan)
     sizes = model_sizes(cfg)
     ar = st.net.allreduce_ms(sizes["total"] * BYTES_PER_ELEMENT, G, sizes["tensors"])
     total = lin + attn + exposed + ar

@@ -56,9 +56,9 @@ def test_exposed_exchange_adds_bytes_over_bandwidth():
 
 @pytest.mark.parametrize("bw", [10.0, 1000.0])  # the exchange longer, then shorter than the local attention
 def test_planned_overlap_hides_the_exchange_under_the_local_attention(bw):
-    """overlap_plan: hidden = min(T_kv, T_attn x the busiest rank's local work share), the share taken
-    from the planner's overlap split of the same layout (`overlap_work`); with overlap_by_keys, from
-    its work over keys it holds (`key_local_work`)."""
+    """overlap_plan "planned": hidden = min(T_kv, T_attn x the busiest rank's local work share), the
+    share taken from the planner's overlap split of the same layout (`overlap_work`); "keys": from its
+    work over keys it holds (`key_local_work`)."""
     G, S = 4, sum(LENGTHS)
     lay = plan_layout(list(LENGTHS), G, "balanced")
     work = rank_work(lay)
@@ -66,14 +66,14 @@ def test_planned_overlap_hides_the_exchange_under_the_local_attention(bw):
     share = int(overlap_work(lay)[busiest]) / int(work[busiest])
     assert 0.0 < share < 1.0  # this pack has documents on both sides of a shard boundary
     plain = step_ms(CFG, S, G, synthetic(bw=bw))
-    planned = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan=True))
+    planned = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan="planned"))
     hidden = min(plain["kv"], share * plain["attention"])
     assert planned["kv_exposed"] == pytest.approx(plain["kv"] - hidden)
     assert planned["total"] == pytest.approx(plain["total"] - hidden)
     # A split by keys (not built): the same with the busiest rank's share of work over keys it holds.
     key_share = int(key_local_work(lay)[busiest]) / int(work[busiest])
     assert share < key_share < 1.0
-    by_keys = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan=True, overlap_by_keys=True))
+    by_keys = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan="keys"))
     assert by_keys["kv_exposed"] == pytest.approx(plain["kv"] - min(plain["kv"], key_share * plain["attention"]))
 
 
@@ -180,7 +180,7 @@ def test_cli_recovers_the_rates_a_run_was_made_with(tmp_path):
     cfg, S = E2E_CONFIGS["tiny"], 8192
     st = Setup(KernelRates({("dense", cfg["head_dim"]): rates["dense"]}), net, 0.25, kernel="dense", layout="balanced")
     e2e = [_e2e_row("tiny", g, n, step_ms(cfg, n, g, st)["total"] / 1e3) for g, n in ((1, S // 2), (1, S), (2, S))]
-    overlapped = _e2e_row("tiny", 2, S, step_ms(cfg, S, 2, replace(st, overlap_plan=True))["total"] / 1e3)
+    overlapped = _e2e_row("tiny", 2, S, step_ms(cfg, S, 2, replace(st, overlap_plan="planned"))["total"] / 1e3)
     e2e.append({**overlapped, "overlap": True})  # a run with CPConfig(overlap=True): validated as built
     run = {"env": {"G": 2, "argv": ["benchmarks/multigpu.py", "--e2e-layout", "balanced"]},
            "args": {"tiny": True, "setups": ["magi"], "magi_packs": 1},
