@@ -80,7 +80,8 @@ def parse_args(argv=None):
 
 
 def argument_error(args, world_size: int) -> str | None:
-    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names), or None."""
+    """Why `args` cannot run on `world_size` processes (sizes, then kernel, exchange and layout names,
+    then a local `--dataset` file), or None."""
     return layout_error(args, world_size, pack_flag="max_length") or config_error(args) or dataset_error(args)
 
 
