@@ -5,7 +5,7 @@ tested exhaustively against dense masks and reused by the benchmarks. Modules, b
 `segments` (runs and intervals, the one home of that arithmetic), `layout` (layout
 strategies, registered by name), `balance` (the "balanced" strategy; its candidate layouts in
 `balance_candidates`), `rank_plan` (one rank's queries, keys and varlen offsets),
-`exchange_plan` (needed keys and traffic), `overlap` (the queries that attend while the exchange runs), `head_parallel` (the head-parallel exchange's head
+`exchange_plan` (needed keys and traffic), `overlap` (what attends while the exchange runs: split by queries or by keys), `head_parallel` (the head-parallel exchange's head
 split, plan and bytes), `exchange_registry` (one `ExchangeRecord` per exchange, registered by
 `comm.exchanges`),
 `kernel_cost` (what a tiled kernel spends on a query run: `KernelCost`, the one home of run
@@ -60,7 +60,7 @@ from .head_parallel import (
 )
 from .kernel_cost import DEFAULT_KERNEL_COST, PAIR_COUNT, KernelCost, run_pairs
 from .layout import DEFAULT_TOLERANCE, Layout, layout_strategies, plan_layout, register_layout_strategy
-from .overlap import OverlapPlan, QueryPart, plan_overlap
+from .overlap import OverlapPlan, QueryPart, plan_key_overlap, plan_overlap
 from .rank_plan import RankPlan, dense_allowed, key_row_levels, plan_rank, validate_rank_plan
 from .segments import (
     Segments,
@@ -118,6 +118,7 @@ __all__ = [
     "plan_exchange",
     "plan_head_parallel",
     "plan_needed_rows",
+    "plan_key_overlap",
     "plan_overlap",
     "plan_layout",
     "plan_rank",

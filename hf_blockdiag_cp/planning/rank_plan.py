@@ -21,7 +21,9 @@ class RankPlan:
     keys this rank's queries may see, ordered by pack position and grouped by segment, as a
     `(start, stop)` range when they are contiguous (no gather needed) or an index tensor.
     Query rows are in pack-position order within the rank for every layout we build, which
-    the varlen segment table relies on.
+    the varlen segment table relies on. `causal` False says that every key of a run precedes all
+    of the run's queries (the keys from other ranks of a split by keys, `planning.overlap`), so
+    every pair of a run is allowed: kernels that align causality bottom-right must not mask.
     """
 
     rank: int
@@ -34,6 +36,7 @@ class RankPlan:
     cu_seqlens_k: torch.Tensor  # [n+1] int32, keys of that segment up to the run's last query
     max_seqlen_q: int
     max_seqlen_k: int
+    causal: bool = True
 
     @property
     def num_keys(self) -> int:
@@ -104,7 +107,7 @@ def validate_rank_plan(plan: RankPlan, num_queries: int, num_keys: int, *, num_r
     is checked here, before the plan moves to the device: `cu_seqlens_q/k` are 1-D int32 CPU
     tensors of one length >= 2 that start at 0, never decrease and end at `num_queries` (L)
     and `num_keys` (K, the selected keys); every segment has >= 1 query and at least as many
-    keys as queries (bottom-right causal alignment); `max_seqlen_q/k` are the exact maxima;
+    keys as queries (bottom-right causal alignment; a non-causal plan: >= 1 key); `max_seqlen_q/k` are the exact maxima;
     `q_positions`/`q_segments` hold L entries and `k_positions`/`k_segments` K. With
     `num_rows` (rows the exchange returns), `key_rows` must select K rows inside `[0, num_rows)`.
     """
@@ -140,7 +143,11 @@ def validate_rank_plan(plan: RankPlan, num_queries: int, num_keys: int, *, num_r
     if bool((q_lens < 1).any()):
         i = int(torch.nonzero(q_lens < 1)[0])
         raise ValueError(f"{where}: cu_seqlens_q must give every segment at least one query; segment {i} has none")
-    if bool((k_lens < q_lens).any()):
+    if not plan.causal:
+        if bool((k_lens < 1).any()):
+            i = int(torch.nonzero(k_lens < 1)[0])
+            raise ValueError(f"{where}: cu_seqlens_k must give every segment at least one key; segment {i} has none")
+    elif bool((k_lens < q_lens).any()):
         i = int(torch.nonzero(k_lens < q_lens)[0])
         raise ValueError(
             f"{where}: cu_seqlens_k must give every segment at least as many keys as queries (bottom-right causal "

@@ -21,6 +21,7 @@ from hf_blockdiag_cp.planning import (
     key_local_work,
     overlap_work,
     plan_exchange,
+    plan_key_overlap,
     plan_overlap,
     plan_rank,
     validate_rank_plan,
@@ -125,3 +126,68 @@ def test_contiguous_shard_whose_first_document_continues_is_remote_first():
     assert split.remote.queries == (0, 4) and split.local.queries == (4, 12)
     assert split.remote_first and split.merge_index is None
     assert split.local.plan.key_rows == (4, 12)  # rank 1's own rows 4..11 hold positions 16..23
+
+
+def _kernel_pairs(plan) -> list[tuple[int, int]]:
+    """(query position, key position) pairs a varlen kernel computes from the plan's segment table:
+    bottom-right causal per run (query j of q sees its first k - q + j + 1 keys), or every pair of the
+    run when the plan is not causal. A list, so a pair computed twice shows."""
+    cu_q, cu_k = plan.cu_seqlens_q.tolist(), plan.cu_seqlens_k.tolist()
+    pairs = []
+    for run in range(len(cu_q) - 1):
+        qs = plan.q_positions[cu_q[run]:cu_q[run + 1]].tolist()
+        ks = plan.k_positions[cu_k[run]:cu_k[run + 1]].tolist()
+        for j, q in enumerate(qs):
+            seen = ks if not plan.causal else ks[: len(ks) - len(qs) + j + 1]
+            pairs += [(q, k) for k in seen]
+    return pairs
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs=runs_strategy, cp_size=st.integers(2, 8), kind=st.sampled_from(LAYOUT_KINDS),
+       exchange=st.sampled_from(OVERLAPPING))
+def test_a_split_by_keys_computes_every_pair_once(runs, cp_size, kind, exchange):
+    """Split by keys: the local part holds every query over the keys its rank holds, causal; the remote
+    part the runs with keys elsewhere over exactly those keys, all before the run (not causal). What a
+    varlen kernel computes from each part's segment table, together, is every allowed pair once
+    (padding queries: those of keys on the rank); key rows name the keys; the local part's work is
+    `key_local_work`."""
+    layout = make_layout(pack_ids(runs), cp_size, kind)
+    record = get_exchange(exchange)
+    xplan = plan_exchange(layout) if record.needs_plan else None
+    for rank in range(cp_size):
+        mine = record.plan(layout, xplan, rank)
+        full, all_rows = mine.rank_plan, mine.row_positions
+        split = plan_key_overlap(layout, rank, full, all_rows)
+        assert split.by_keys and split.local.queries == (0, layout.local_len)
+        assert split.local.plan.causal and (split.remote is None or not split.remote.plan.causal)
+        assert torch.equal(split.local.row_positions, layout.slot_positions[rank])
+        held = set(layout.slot_positions[rank].tolist())
+        want = sorted((q, k) for q, k in _allowed_pairs(full, all_rows) if layout.document_ids[q] > 0 or k in held)
+        computed = []
+        for part in (split.local, split.remote):
+            if part is None:
+                continue
+            validate_rank_plan(part.plan, part.num_queries, part.plan.num_keys, num_rows=part.row_positions.numel())
+            assert torch.equal(part.plan.q_positions, layout.slot_positions[rank][_indices(part.queries)])
+            assert torch.equal(part.row_positions[_rows(part.plan.key_rows)], part.plan.k_positions)
+            keys_held = {k in held for k in part.plan.k_positions.tolist()}
+            assert keys_held <= {part is split.local}, "the local part reads held keys only, the remote part none"
+            computed += _kernel_pairs(part.plan)
+        assert sorted(computed) == want
+        if exchange == "allgather":
+            local_pairs = len(_kernel_pairs(split.local.plan))
+            assert int(key_local_work(layout)[rank]) == local_pairs
+
+
+def test_a_split_by_keys_of_a_document_over_two_ranks():
+    # One 10-token document then one of 14, over two ranks of 12 rows: rank 1's first run (positions
+    # 12..15) continues the second document, whose keys 10, 11 are on rank 0.
+    ids = torch.tensor([1] * 10 + [2] * 14)
+    layout = make_layout(ids, 2, "contiguous")
+    split = plan_key_overlap(layout, 1, plan_rank(layout, 1), layout.slot_positions.reshape(-1))
+    assert split.local.queries == (0, 12) and split.local.plan.key_rows == (0, 12)
+    assert split.remote.queries == (0, 12)  # one run: the document's 12 rows on rank 1
+    assert split.remote.plan.key_rows == (10, 12) and split.remote.plan.k_positions.tolist() == [10, 11]
+    assert split.remote.plan.cu_seqlens_q.tolist() == [0, 12] and split.remote.plan.cu_seqlens_k.tolist() == [0, 2]
+    assert plan_key_overlap(layout, 0, plan_rank(layout, 0), layout.slot_positions.reshape(-1)).remote is None
