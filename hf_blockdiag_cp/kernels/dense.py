@@ -27,8 +27,10 @@ def attention_with_features(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Softmax attention with the features SDPA lacks. q [H,L,Dk], k [Hkv,K,Dk], v [Hkv,K,Dv] -> [H,L,Dv].
+    return_lse: bool = False,
+):
+    """Softmax attention with the features SDPA lacks. q [H,L,Dk], k [Hkv,K,Dk], v [Hkv,K,Dv] -> [H,L,Dv]
+    (with `return_lse`, and the log-sum-exp [H,L] of the scores, sinks included, `kernels.lse`).
 
     `allowed` is a boolean mask broadcastable to [H,L,K] (None: every key); `bias` an additive
     float mask (the eager convention). Query head h reads key head h // (H // Hkv), as
@@ -51,14 +53,15 @@ def attention_with_features(
         # Finite, like the eager path's additive mask: a fully masked row (left padding outside a
         # step) stays finite instead of turning into NaN that later layers would pick up.
         scores = scores.masked_fill(~allowed, torch.finfo(acc).min)
-    if sinks is None:
+    if sinks is None and not return_lse:
         probs = torch.softmax(scores, dim=-1)
     else:
-        lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        total = torch.logaddexp(lse, sinks.to(acc).reshape(heads, 1, 1))
+        total = torch.logsumexp(scores, dim=-1, keepdim=True)
+        if sinks is not None:
+            total = torch.logaddexp(total, sinks.to(acc).reshape(heads, 1, 1))
         probs = torch.exp(scores - total)
-    out = torch.matmul(probs.to(v.dtype).view(kv_heads, group * q_len, k_len), v)
-    return out.view(heads, q_len, v.shape[-1])
+    out = torch.matmul(probs.to(v.dtype).view(kv_heads, group * q_len, k_len), v).view(heads, q_len, v.shape[-1])
+    return (out, total.squeeze(-1)) if return_lse else out
 
 
 def _run_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -89,14 +92,22 @@ def dense_attention(
     sliding_window: int | None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
+    return_lse: bool = False,
+):
+    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv] (with `return_lse`, and lse [L,H], `kernels.lse`).
+
+    The mask comes from pack positions and segments, so a plan that is not causal (every key
+    before its run's queries) needs nothing else."""
     plan = step.plan
     mask = step.cached(("dense", sliding_window), lambda: _run_mask(plan, sliding_window))
-    if softcap is not None or sinks is not None:
+    if softcap is not None or sinks is not None or return_lse:
         out = attention_with_features(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, softcap=softcap, sinks=sinks
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, scale=scale, softcap=softcap, sinks=sinks,
+            return_lse=return_lse,
         )
+        if return_lse:
+            out, lse = out
+            return out.transpose(0, 1), lse.transpose(0, 1)
         return out.transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
@@ -118,5 +129,6 @@ register_kernel(
         features=frozenset({"softcap", "sinks"}),
         auto_priority=100,  # last resort on every device; the only kernel that trains on CPU
         auto_devices=None,
+        lse_check=lambda device, dtype, head_dim_k, head_dim_v: None,  # explicit scores: autograd through the lse
     )
 )

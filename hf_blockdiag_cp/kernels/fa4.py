@@ -23,6 +23,9 @@ from .registry import HALF, KernelRecord, calibrated_cost, register_kernel
 
 # (Dk, Dv) pairs whose forward and backward matched an fp32 reference on the H200 (docs/kernels.md).
 VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256), (192, 128)})
+# Of those, the pairs whose lse output and backward through it (the split by keys) matched float64 on the
+# H200, with softcap and sinks, causal and not (tests/gpu/test_lse_kernels_gpu.py; (192, 128) failed there).
+LSE_VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128)})
 SUPPORTED_ARCH_MAJOR = (9, 10)  # SM90 (Hopper), SM100 (Blackwell)
 
 
@@ -43,21 +46,31 @@ def available() -> bool:
 def fa4_attention_kernel(
     q, k, v, step, *, scale: float, sliding_window: int | None, softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv]."""
+    return_lse: bool = False,
+):
+    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv] (with `return_lse`, and lse [L,H] float32).
+
+    A plan that is not causal (`RankPlan.causal`: every key before its run) runs with
+    `causal=False`; the split by keys gives such plans no window (`attention.entry`)."""
     fn = _varlen_func()
     if fn is None:
         raise ValueError("attn_backend='fa4' needs flash-attn-4 (flash_attn.cute), which does not import here")
     plan = step.plan
+    if not plan.causal and sliding_window is not None:
+        raise ValueError("the fa4 kernel runs a plan that is not causal without a sliding window only")
     window = (None, None) if sliding_window is None else (sliding_window - 1, 0)
     out = fn(
         q.contiguous(), k.contiguous(), v.contiguous(),
         cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
         max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
-        softmax_scale=scale, causal=True, window_size=window,
+        softmax_scale=scale, causal=plan.causal, window_size=window,
         learnable_sink=None if sinks is None else sinks.float().reshape(-1),
         softcap=0.0 if softcap is None else float(softcap),
+        **({"return_lse": True} if return_lse else {}),
     )
+    if return_lse:
+        out, lse = out
+        return out, lse.transpose(0, 1)  # flash-attn-4's varlen lse is [H, total_q]
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -79,6 +92,15 @@ def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v
     return None
 
 
+def _lse_check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
+    if (head_dim_k, head_dim_v) not in LSE_VERIFIED_HEAD_DIMS:
+        return (
+            f"flash-attn-4's log-sum-exp and its backward were verified on a GPU only for (Dk, Dv) in "
+            f"{sorted(LSE_VERIFIED_HEAD_DIMS)}; got ({head_dim_k}, {head_dim_v})"
+        )
+    return None
+
+
 register_kernel(
     KernelRecord(
         name="fa4",
@@ -88,5 +110,6 @@ register_kernel(
         features=frozenset({"softcap", "sinks"}),
         auto_priority=5,  # first: the fastest kernel measured (docs/performance.md)
         cost=calibrated_cost("fa4"),
+        lse_check=_lse_check,
     )
 )

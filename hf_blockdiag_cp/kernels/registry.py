@@ -35,7 +35,10 @@ class KernelRecord:
     so no attention layer builds per-step state. `auto_priority` orders `auto` (lower first;
     None: never chosen by `auto`), on the device types in `auto_devices` (None: any).
     `cost` is the kernel's calibrated cost model for balanced layouts (`calibrated_cost`; None:
-    the planning default).
+    the planning default). `lse_check`, if any, says like `check` where `fn(..., return_lse=True)`
+    returns `(out, lse)` with gradients through both and runs plans that are not causal
+    (`RankPlan.causal`), as the split by keys needs (`kernels.lse`): only where verified against
+    a reference (None: nowhere).
     """
 
     name: str
@@ -48,18 +51,32 @@ class KernelRecord:
     auto_priority: int | None = None
     auto_devices: frozenset[str] | None = frozenset({"cuda"})  # None: any device
     cost: KernelCost | None = None
+    lse_check: Callable[[torch.device, torch.dtype, int, int], str | None] | None = None
+
+    @property
+    def returns_lse(self) -> bool:
+        """Whether the kernel returns its log-sum-exp for some layers (`lse_check`)."""
+        return self.lse_check is not None
 
     def unsupported_reason(
-        self, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+        self, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset(),
+        needs_lse: bool = False,
     ) -> str | None:
-        """Why this kernel cannot run a layer with these shapes and `features`, or None if it can."""
+        """Why this kernel cannot run a layer with these shapes and `features` (and, with `needs_lse`,
+        return its log-sum-exp), or None if it can."""
         unknown = sorted(set(features) - set(FEATURES))
         if unknown:
             raise ValueError(f"unknown attention features {unknown}; known: {', '.join(FEATURES)}")
         missing = sorted(set(features) - self.features)
         if missing:
             return f"the {self.name} kernel does not implement {' and '.join(missing)}, which this attention layer uses"
-        return self.check(device, dtype, head_dim_k, head_dim_v)
+        if needs_lse and not self.returns_lse:
+            return (f"the {self.name} kernel has no verified log-sum-exp output, which the split by keys "
+                    "(CPConfig(overlap='keys')) merges by")
+        reason = self.check(device, dtype, head_dim_k, head_dim_v)
+        if reason is None and needs_lse:
+            reason = self.lse_check(device, dtype, head_dim_k, head_dim_v)
+        return reason
 
 
 def half_precision_cuda_reason(
@@ -137,12 +154,13 @@ def canonical_kernel_name(spelling: str) -> str:
 
 
 def unsupported_reason(
-    name: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+    name: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset(),
+    needs_lse: bool = False,
 ) -> str | None:
     """Why kernel `name` cannot run this attention call (with these `features`), or None if it can."""
     if name not in _RECORDS:
         return f"attn_backend={name!r} is not available in this installation (available: {', '.join(_RECORDS)})"
-    return _RECORDS[name].unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+    return _RECORDS[name].unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
 
 
 def auto_order(device: torch.device) -> list[KernelRecord]:
@@ -155,18 +173,20 @@ def auto_order(device: torch.device) -> list[KernelRecord]:
 
 
 def choose_kernel(
-    requested: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset()
+    requested: str, device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int, features=frozenset(),
+    needs_lse: bool = False,
 ) -> KernelRecord:
-    """Resolve `auto` to a kernel for one layer's call, or check an explicit choice; raise a clear error if it cannot run."""
+    """Resolve `auto` to a kernel for one layer's call (with `needs_lse`, one that `returns_lse`), or
+    check an explicit choice; raise a clear error if it cannot run."""
     if requested != "auto":
         record = get_kernel(requested)
-        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
         if reason is not None:
             raise ValueError(f"attn_backend={requested!r} cannot run here: {reason}")
         return record
     reasons = []
     for record in auto_order(device):
-        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features)
+        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
         if reason is None:
             return record
         reasons.append(f"{record.name}: {reason}")
