@@ -55,8 +55,9 @@ def add_cp_config_arguments(parser) -> None:
                         "flash, te")
     parser.add_argument("--kv-exchange", default="allgather", help="K/V exchange: allgather, halo, a2a, auto")
     parser.add_argument("--layout", default="contiguous", help="how packs are sharded: contiguous, balanced")
-    parser.add_argument("--overlap", action="store_true", help="attend over local keys while the K/V exchange runs "
-                        "(CPConfig.overlap)")
+    parser.add_argument("--overlap", nargs="?", const="queries", default=False, choices=("queries", "keys"),
+                        help="attend over what the rank holds while the K/V exchange runs, split by queries (the "
+                        "default of a bare --overlap) or by keys (CPConfig.overlap)")
 
 
 # The CPConfig fields set from the command line: (field, what a valid value is, its accepted names).
@@ -74,7 +75,8 @@ def cp_config(args) -> bdcp.CPConfig:
 
 def config_error(args) -> str | None:
     """Why --attn-backend, --kv-exchange or --layout names nothing this installation has, or the flags
-    cannot go together (--overlap with an exchange that cannot overlap), or None."""
+    cannot go together (--overlap with an exchange that cannot overlap, or by keys with a kernel
+    without a log-sum-exp output), or None."""
     for field, what, accepted in CONFIG_FIELDS:
         value = getattr(args, field)
         try:
@@ -84,7 +86,7 @@ def config_error(args) -> str | None:
     try:
         cp_config(args)
     except ValueError as exc:
-        return f"--overlap with --kv-exchange={args.kv_exchange!r}: {exc}"
+        return f"--overlap={args.overlap} with --kv-exchange={args.kv_exchange!r} --attn-backend={args.attn_backend!r}: {exc}"
     return None
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .comm import exchanges as _exchanges  # noqa: F401  (registers the exchange records)
-from .kernels import canonical_kernel_name
+from .kernels import canonical_kernel_name, get_kernel, kernel_names
 from .planning import DEFAULT_TOLERANCE, KernelCost, canonical_exchange_name, exchange_records, get_exchange, layout_strategies
 
 
@@ -26,6 +26,9 @@ def normalize_backend(name: str) -> str:
 def normalize_exchange(name: str) -> str:
     """Canonical exchange name (or "auto") for any accepted spelling of `kv_exchange`."""
     return canonical_exchange_name(name)
+
+
+OVERLAP_SPLITS = ("queries", "keys")  # CPConfig.overlap besides False (True means "queries")
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,12 @@ class CPConfig:
       balanced layout's target max/mean predicted cost - 1; `kernel_cost` the cost model it
       balances (None: the configured kernel's calibrated `KernelRecord.cost` when the kernel is
       named, else `planning.DEFAULT_KERNEL_COST`; `planning.PAIR_COUNT` balances allowed pairs).
-    overlap: run the attention of the queries whose keys are all on their own rank while the K/V
-      exchange is in flight, and the rest after it; in backward, the reverse collective runs under
-      the first part's backward (`planning.overlap`). Exact like the plain order; the K/V exchanges
+    overlap: attend over what the rank holds while the K/V exchange is in flight, the rest after it;
+      in backward, the reverse collective runs under the first part's backward (`planning.overlap`).
+      `"queries"` (or True): the queries whose keys are all on their rank first, each query whole
+      in one part, for every kernel; `"keys"`: every query over its rank's keys first, then over the
+      other ranks' keys, merged by log-sum-exp (kernels that `returns_lse`: fa4, dense; layers with
+      a sliding window attend in order). False: in order. Exact in every mode; the K/V exchanges
       (`allgather`, `halo`, `a2a`: records with `begin`) can overlap, `heads` cannot and is refused.
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
@@ -57,7 +63,7 @@ class CPConfig:
     balance_tolerance: float = DEFAULT_TOLERANCE
     allow_cross_node_a2a: bool = False
     kernel_cost: KernelCost | None = None
-    overlap: bool = False
+    overlap: bool | str = False
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -70,13 +76,21 @@ class CPConfig:
             raise ValueError(f"balance_tolerance must be a positive number; got {tol!r}")
         if not isinstance(self.allow_cross_node_a2a, bool):
             raise TypeError(f"allow_cross_node_a2a must be True or False; got {self.allow_cross_node_a2a!r}")
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap must be True or False; got {self.overlap!r}")
+        if self.overlap is True:
+            set_(self, "overlap", "queries")
+        if self.overlap is not False and self.overlap not in OVERLAP_SPLITS:
+            raise ValueError(f"overlap must be False, True, 'queries' or 'keys'; got {self.overlap!r}")
         if self.overlap and self.kv_exchange != "auto" and get_exchange(self.kv_exchange).begin is None:
             able = [r.name for r in exchange_records() if r.begin is not None]
             raise ValueError(
-                f"overlap=True needs a kv_exchange that can overlap attention ({', '.join(able)} or auto); "
+                f"overlap={self.overlap!r} needs a kv_exchange that can overlap attention ({', '.join(able)} or auto); "
                 f"got kv_exchange={self.kv_exchange!r}"
+            )
+        if self.overlap == "keys" and self.attn_backend != "auto" and not get_kernel(self.attn_backend).returns_lse:
+            able = [name for name in kernel_names() if get_kernel(name).returns_lse]
+            raise ValueError(
+                f"overlap='keys' merges partial softmaxes by their log-sum-exp, which attn_backend={self.attn_backend!r} "
+                f"does not return (verified: {', '.join(able)} or auto); use overlap='queries' with it"
             )
         if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
             raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
@@ -102,7 +116,7 @@ def configure_cp(
     layout: str = "contiguous",
     balance_tolerance: float = DEFAULT_TOLERANCE,
     kernel_cost: KernelCost | None = None,
-    overlap: bool = False,
+    overlap: bool | str = False,
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.

@@ -3,7 +3,14 @@ AttentionInterface and the SDPA drop-in (`entry`), the cp = 1 hooks for modules 
 `F.scaled_dot_product_attention` themselves (`sdpa_hooks`), and the model-support hook
 (`model_check`)."""
 
-from .entry import AttentionFeatures, blockdiag_attention, blockdiag_cp_attention_forward, cp_blockdiag_sdpa, local_attention
+from .entry import (
+    AttentionFeatures,
+    blockdiag_attention,
+    blockdiag_cp_attention_forward,
+    cp_blockdiag_sdpa,
+    local_attention,
+    split_attention,
+)
 from .model_check import register_model_check
 from .sdpa_hooks import (
     Cp1PackedHooks,
@@ -25,4 +32,5 @@ __all__ = [
     "enable_cp1_packed_varlen",
     "local_attention",
     "register_model_check",
+    "split_attention",
 ]

@@ -2,7 +2,7 @@
 
 During a CP step every causal softmax-attention call runs: K/V exchange over the CP group,
 then the local kernel over this rank's queries and the keys they need (with `CPConfig.overlap`,
-the queries whose keys are all local attend while the exchange runs); or, with a head-parallel
+what the rank holds is attended while the exchange runs: split by queries or by keys); or, with a head-parallel
 exchange (`heads`), q, k, v to head shards, the kernel over the whole pack for this rank's heads,
 and the outputs back. Outside a step both entry points are exactly Transformers' `sdpa` /
 `F.scaled_dot_product_attention` (I8).
@@ -113,7 +113,7 @@ def blockdiag_attention(
     record = get_exchange(step.kv_exchange)
     if record.head_parallel:
         out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, module=module)
-    elif step.overlap is not None:
+    elif step.overlap is not None and not (step.overlap.by_keys and sliding_window is not None):
         out = overlapped_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features)
     else:
         ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
@@ -138,24 +138,41 @@ def _autocast_inputs(query, key, value):
 
 def overlapped_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features):
     """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv], the exchange overlapped with attention (`step.overlap`):
-    the queries whose keys are all local attend over this rank's own K/V while the exchange is in
-    flight, the others over its rows once it arrived. Each query is computed whole in one part, so
-    putting the parts back in order is exact; in backward the reverse collective runs under the
-    local part's backward (the record's `begin`)."""
-    split = step.overlap
+    the record's `begin` starts it, `split_attention` attends while it is in flight; in backward the
+    reverse collective runs under the local part's backward."""
     pending = record.begin(k, v, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
+    return split_attention(step, q, k, v, pending.wait, scale=scale, sliding_window=sliding_window, features=features)
+
+
+def split_attention(step: CPStep, q, k, v, wait, *, scale, sliding_window, features=AttentionFeatures()):
+    """q [L,H,Dk] against this rank's own k/v [L,Hkv,D] (the local part), then `wait(local_out)` ->
+    (exchanged k rows, exchanged v rows, local_out) and the remote part over those rows -> [L,H,Dv].
+
+    Split by queries: the queries whose keys are all local, then the others, each query whole in one
+    part; putting the parts back in order is exact. Split by keys (`by_keys`): every query over its
+    rank's own keys, then the queries with keys on other ranks over those, merged by log-sum-exp
+    (`kernels.lse`); the sinks join the local part only, so they count once, and the layer has no
+    sliding window (`blockdiag_attention` runs windowed layers in order: the remote part's kernels
+    run without a causal mask, hence without a window)."""
+    split = step.overlap
+    by_keys = split.by_keys
+    lse = {"return_lse": True} if by_keys else {}
     if split.local is not None:
-        local_out = local_attention(step, split.local.take(q), k, v, scale=scale, sliding_window=sliding_window,
-                                    features=features, part=split.local)
+        local = local_attention(step, split.local.take(q), k, v, scale=scale, sliding_window=sliding_window,
+                                features=features, part=split.local, **lse)
+        local_out, local_lse = local if by_keys else (local, None)
         step.overlapped_queries += local_out.shape[0]
     else:
-        local_out = q.new_zeros((0, q.shape[1], v.shape[-1]))
-    exchanged_k, exchanged_v, local_out = pending.wait(local_out)
+        local_out, local_lse = q.new_zeros((0, q.shape[1], v.shape[-1])), None
+    exchanged_k, exchanged_v, local_out = wait(local_out)
     if split.remote is None:
         return local_out
-    remote_out = local_attention(step, split.remote.take(q), exchanged_k, exchanged_v, scale=scale,
-                                 sliding_window=sliding_window, features=features, part=split.remote)
-    return split.merge(local_out, remote_out)
+    remote_features = replace(features, sinks=None) if by_keys else features
+    remote = local_attention(step, split.remote.take(q), exchanged_k, exchanged_v, scale=scale,
+                             sliding_window=sliding_window, features=remote_features, part=split.remote, **lse)
+    if by_keys:
+        return split.merge_by_keys(local_out, local_lse, *remote)
+    return split.merge(local_out, remote)
 
 
 def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, module=None):
@@ -233,15 +250,17 @@ def local_attention(
     sliding_window: int | None,
     features: AttentionFeatures = AttentionFeatures(),
     part: StepPart | None = None,
+    return_lse: bool = False,
 ):
     """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv];
-    with `part`, that part's queries against its rows (`overlapped_attention`)."""
+    with `part`, that part's queries against its rows (`split_attention`);
+    with `return_lse`, `(out, lse [L,H])` from a kernel that `returns_lse`."""
     head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
     # The kernel is chosen per layer kind: a softcapped or sink layer may need another kernel.
     names = features.names
     kernel = step.cached(
-        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names),
-        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names),
+        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
+        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
     )
     target = step if part is None else part
     if kernel.takes_all_rows:
@@ -250,7 +269,8 @@ def local_attention(
         k, v = needed_keys(target.plan, exchanged_k, exchanged_v)
     if scale is None:
         scale = head_dim_k**-0.5
-    return kernel.fn(q, k, v, target, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs())
+    lse = {"return_lse": True} if return_lse else {}
+    return kernel.fn(q, k, v, target, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs(), **lse)
 
 
 def blockdiag_cp_attention_forward(

@@ -25,6 +25,7 @@ from ..planning import (
     choose_exchange,
     get_exchange,
     plan_exchange,
+    plan_key_overlap,
     plan_overlap,
     validate_rank_plan,
 )
@@ -40,7 +41,7 @@ def build_step(
     attn_backend: str,
     kv_exchange: str,
     exchange_plan: ExchangePlan | None = None,
-    overlap: bool = False,
+    overlap: bool | str = False,
 ) -> CPStep:
     """The step object of rank `rank` for `layout`: its attention plan over the rows the exchange
     returns (validated on the host, then moved to `device` once) and the exchange's routes. For a
@@ -48,9 +49,9 @@ def build_step(
 
     `attn_backend` is a canonical kernel name or "auto"; `kv_exchange` the registered exchange
     this step runs (as agreed by the group); `exchange_plan` is planned here if the exchange
-    needs one and none is given. With `overlap`, when the exchange can overlap (`begin`) and the
-    group has two or more ranks, the queries are split for it (`planning.plan_overlap`). Pure but
-    for the device copies.
+    needs one and none is given. With `overlap` ("queries" or True, "keys": `CPConfig.overlap`), when
+    the exchange can overlap (`begin`) and the group has two or more ranks, the attention is split
+    for it (`planning.plan_overlap`, `planning.plan_key_overlap`). Pure but for the device copies.
     """
     record = get_exchange(kv_exchange)
     if record.needs_plan and exchange_plan is None:
@@ -61,7 +62,7 @@ def build_step(
     validate_rank_plan(rank_plan, record.plan_queries(layout), rank_plan.num_keys, num_rows=rows.numel())
     split = None
     if overlap and record.begin is not None and layout.cp_size > 1:
-        split = plan_overlap(layout, rank, rank_plan, rows)
+        split = (plan_key_overlap if overlap == "keys" else plan_overlap)(layout, rank, rank_plan, rows)
         for part in (split.local, split.remote):
             if part is not None:
                 validate_rank_plan(part.plan, part.num_queries, part.plan.num_keys, num_rows=part.row_positions.numel())

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..comm.exchange import ExchangeMeter
+from ..kernels.lse import merge_into
 from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
 
 STEP_KWARG = "blockdiag_cp_step"
@@ -43,21 +44,22 @@ class StepChoices:
     kv_exchange: str
     requested_kv_exchange: str | None  # as configured ("auto" or an exchange name; None: unknown)
     layout: str
-    overlap: bool = False  # the exchange ran overlapped with attention (CPConfig.overlap)
+    overlap: str | None = None  # how the exchange overlapped attention: "queries" or "keys" (CPConfig.overlap)
 
     def describe(self) -> str:
         kernels = ", ".join(self.kernels) or "none"
         exchange = self.requested_kv_exchange or self.kv_exchange
+        overlapped = "" if self.overlap is None else f" overlapped with attention (split by {self.overlap})"
         return (
             f"blockdiag_cp runs kernel {kernels} (attn_backend={self.attn_backend!r}), K/V exchange "
-            f"{self.kv_exchange}{' overlapped with attention' if self.overlap else ''} (kv_exchange={exchange!r}), "
-            f"layout {self.layout}"
+            f"{self.kv_exchange}{overlapped} (kv_exchange={exchange!r}), layout {self.layout}"
         )
 
     def as_logs(self) -> dict[str, str]:
-        """The choices as Trainer log entries (`cp_kv_exchange` ends in `+overlap` when it overlapped attention)."""
-        exchange = self.kv_exchange + ("+overlap" if self.overlap else "")
-        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": exchange, "cp_layout": self.layout}
+        """The choices as Trainer log entries (`cp_kv_exchange` ends in `+overlap` when it overlapped
+        attention split by queries, `+overlap_keys` split by keys)."""
+        suffix = {None: "", "queries": "+overlap", "keys": "+overlap_keys"}[self.overlap]
+        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": self.kv_exchange + suffix, "cp_layout": self.layout}
 
 
 @functools.cache
@@ -114,6 +116,7 @@ class DevicePlan:
     # whether level 0 holds every exchanged row in order (the gradient is then a plain gather).
     key_levels: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     key_levels_cover_rows: bool = False
+    causal: bool = True  # RankPlan.causal: False when every key precedes its run (split by keys, remote part)
 
     @staticmethod
     def from_rank_plan(
@@ -149,6 +152,7 @@ class DevicePlan:
             rows_are_positions=_range_offset(row_positions) == 0,
             key_levels=tuple((to(pos), to(row)) for pos, row in levels),
             key_levels_cover_rows=cover,
+            causal=plan.causal,
         )
 
 
@@ -193,13 +197,16 @@ class StepPart:
 
 @dataclass(frozen=True)
 class StepOverlap:
-    """A rank's queries split for overlap (`planning.overlap.OverlapPlan`), on the device: the `local`
-    part attends while the exchange runs, the `remote` part after it; `merge` restores query order."""
+    """A rank's attention split for overlap (`planning.overlap.OverlapPlan`), on the device: the `local`
+    part attends while the exchange runs, the `remote` part after it. Split by queries, `merge`
+    restores query order; split by keys (`by_keys`), `merge_by_keys` merges the remote part's
+    partial softmax into its queries' rows of the local part's."""
 
     local: StepPart | None
     remote: StepPart | None
     merge_index: torch.Tensor | None
     remote_first: bool
+    by_keys: bool = False
 
     @staticmethod
     def from_plan(plan: OverlapPlan, layout: Layout, device: torch.device) -> "StepOverlap":
@@ -207,7 +214,7 @@ class StepOverlap:
             return None if p is None else StepPart.from_part(p, layout, device)
 
         index = None if plan.merge_index is None else plan.merge_index.to(device, non_blocking=True)
-        return StepOverlap(part(plan.local), part(plan.remote), index, plan.remote_first)
+        return StepOverlap(part(plan.local), part(plan.remote), index, plan.remote_first, plan.by_keys)
 
     @property
     def parts(self) -> tuple[StepPart, ...]:
@@ -219,6 +226,11 @@ class StepOverlap:
             return torch.cat([remote_out, local_out])
         out = torch.cat([local_out, remote_out])
         return out if self.merge_index is None else out.index_select(0, self.merge_index)
+
+    def merge_by_keys(self, local_out, local_lse, remote_out, remote_lse) -> torch.Tensor:
+        """`[L, H, Dv]`: the local part's output (every query over its rank's keys), with the rows of
+        the remote part's queries merged with the remote part's by log-sum-exp (`kernels.lse`)."""
+        return merge_into(local_out, local_lse, self.remote.queries, remote_out, remote_lse)
 
 
 def _range_offset(positions: torch.Tensor) -> int | None:
@@ -249,7 +261,7 @@ class CPStep:
     exchange_bytes: ExchangeMeter = field(default_factory=ExchangeMeter)  # bytes received this step
     requested_kv_exchange: str | None = None  # the configured kv_exchange ("auto" or a name)
     model: Any = field(default=None, repr=False)  # the model the user named (error messages only)
-    overlap: StepOverlap | None = None  # the query split when the exchange overlaps attention (CPConfig.overlap)
+    overlap: StepOverlap | None = None  # the split when the exchange overlaps attention (CPConfig.overlap)
     overlapped_queries: int = 0  # query rows attended while an exchange was in flight, this step (recompute included)
 
     @contextlib.contextmanager
@@ -279,7 +291,12 @@ class CPStep:
             if isinstance(key, tuple) and key[:1] == (KERNEL_CACHE_KEY,)
         }
         return StepChoices(tuple(sorted(kernels)), self.attn_backend, self.kv_exchange, self.requested_kv_exchange,
-                           self.layout.strategy, self.overlap is not None)
+                           self.layout.strategy, self.overlap_split)
+
+    @property
+    def overlap_split(self) -> str | None:
+        """How the exchange overlaps attention this step: "queries", "keys", or None."""
+        return None if self.overlap is None else "keys" if self.overlap.by_keys else "queries"
 
     @property
     def local_len(self) -> int:

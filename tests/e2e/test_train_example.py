@@ -99,7 +99,7 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, arch, overlap):
            "layout contiguous"  # on CPU `auto` runs dense; said once, by the main rank
     for log, overlapped in (("one.log", False), ("two.log", overlap)):  # one process has no exchange to overlap
         text = (tmp_path / log).read_text()
-        assert text.count(said.format(" overlapped with attention" if overlapped else "")) == 1, log  # on stderr
+        assert text.count(said.format(" overlapped with attention (split by queries)" if overlapped else "")) == 1, log  # on stderr
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
@@ -140,7 +140,8 @@ def test_argument_errors_name_the_flag(script, args, expected):
         ("trainer_packed.py", 1, ["--steps", "0"], "--steps must be positive; got 0"),
         ("trainer_packed.py", 0, ["--dataset", "missing/data.jsonl"], "--dataset 'missing/data.jsonl': no such file"),
         ("train_packed.py", 1, ["--overlap", "--kv-exchange", "heads"],
-         "--overlap with --kv-exchange='heads': overlap=True needs a kv_exchange that can overlap attention"),
+         "--overlap=queries with --kv-exchange='heads' --attn-backend='auto': overlap='queries' needs a kv_exchange "
+         "that can overlap attention"),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):

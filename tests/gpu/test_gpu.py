@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.kernels import unsupported_reason
+from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
 from helpers.bf16_parity import assert_bf16, bf16_errors, cp_loss_and_grads
 from helpers.packs import make_pack
 from helpers.reference import build_models, reference_loss_and_grads, rel_err
@@ -21,7 +21,7 @@ GPU_MODEL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, n
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 7}))
 
 
-def _config(backend: str, exchange: str = "allgather", overlap: bool = False) -> bdcp.CPConfig:
+def _config(backend: str, exchange: str = "allgather", overlap: bool | str = False) -> bdcp.CPConfig:
     return bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, overlap=overlap)
 
 
@@ -94,13 +94,19 @@ def test_bf16_parity_heads_exchange_on_gpu(gloo, backend, world_size, layout):
                                      head_dim=_verified_head_dim(backend)))
 
 
+@pytest.mark.parametrize("split", ["queries", "keys"])
 @pytest.mark.parametrize("backend", ["fa4", "varlen", "flex", "dense"])
 @pytest.mark.parametrize("world_size,layout", [(2, "straddle"), (4, "span_all"), (4, "padding_rank")])
-def test_bf16_parity_overlap_on_gpu(gloo, backend, world_size, layout):
-    """CPConfig(overlap=True): each kernel on both query parts (local keys during the all-gather, the
-    gathered rows after it); fa4 at head dim 64, the dim it was verified at."""
-    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, overlap=True,
-                                     head_dim=_verified_head_dim(backend)))
+def test_bf16_parity_overlap_on_gpu(gloo, backend, world_size, layout, split):
+    """CPConfig(overlap=split): by queries, each kernel on both query parts (local keys during the
+    all-gather, the gathered rows after it); by keys (the kernels that return their log-sum-exp),
+    every query over its rank's keys, then over the gathered ones, merged; mistral's windowed layers
+    attend in order. fa4 at head dim 64, the dim it was verified at."""
+    head_dim = _verified_head_dim(backend)
+    if split == "keys" and not get_kernel(backend).returns_lse:
+        pytest.skip(f"{backend} returns no log-sum-exp: overlap='keys' refuses it")
+    assert_bf16(gloo(world_size).run(bf16_parity_case, timeout=900, backend=backend, layout=layout, overlap=split,
+                                     head_dim=head_dim))
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -12,6 +12,7 @@ import copy
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.kernels import get_kernel
 from hf_blockdiag_cp.planning import get_exchange
 from hf_blockdiag_cp.bench.common import histogram_lengths
 from hf_blockdiag_cp.bench.setups import HIST_CSV
@@ -31,11 +32,14 @@ def matrix_exchanges(world_size: int) -> tuple[str, ...]:
     return exchanges_for(world_size, HEADS)
 
 
-def matrix_modes(world_size: int) -> tuple[tuple[str, bool], ...]:
+def matrix_modes(world_size: int, kernel: str = "dense") -> tuple[tuple[str, bool | str], ...]:
     """(exchange, overlap) of every matrix row: each exchange in order, then each one that can
-    overlap attention (`ExchangeRecord.begin`) with `CPConfig(overlap=True)`."""
+    overlap attention (`ExchangeRecord.begin`) split by queries, then (for a kernel that
+    `returns_lse`) split by keys (`CPConfig.overlap`)."""
     names = matrix_exchanges(world_size)
-    return tuple((x, False) for x in names) + tuple((x, True) for x in names if get_exchange(x).begin is not None)
+    able = [x for x in names if get_exchange(x).begin is not None]
+    splits = ("queries", "keys") if get_kernel(kernel).returns_lse else ("queries",)
+    return tuple((x, False) for x in names) + tuple((x, split) for split in splits for x in able)
 
 
 def model_dims(head_dim: int) -> dict:
@@ -111,7 +115,7 @@ def parity_matrix_case(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         batch = {k: v.to(device) for k, v in batch.items()}
         for kernel in kernels:
-            for exchange, overlap in matrix_modes(world_size):
+            for exchange, overlap in matrix_modes(world_size, kernel):
                 for layout in LAYOUTS:
                     config = bdcp.CPConfig(attn_backend=kernel, kv_exchange=exchange, layout=layout, kernel_cost=PAIR_COUNT,
                                            overlap=overlap)

@@ -1,6 +1,6 @@
 """Exactness (I1, I2; docs/design.md) over the whole matrix on real gloo groups at G = 2, 3 and 4:
-for every exchange x layout (a head-parallel one where G divides the 4 query heads; the all-gather
-also with overlap), on packs with documents across shard boundaries, a rank holding
+for every exchange x layout (a head-parallel one where G divides the 4 query heads; the K/V
+exchanges also overlapped, split by queries and by keys), on packs with documents across shard boundaries, a rank holding
 only padding and one document over every rank, the dense kernel's loss and every parameter
 gradient under CP (activation checkpointing on) equal the stock model run on each document
 separately, fp32, <= 1e-4. tests/gpu/test_nccl_parity.py runs the same matrix on NCCL."""

@@ -95,15 +95,18 @@ def test_model_parity(gloo, family, world_size):
             assert max(results[0][variant]["sinks"].values()) <= TOL
 
 
-# The attention features under CPConfig(overlap=True): softcap and windows (gemma2), sinks and
-# windows (gpt_oss), Dk != Dv with K/V pre-expanded (deepseek_v3); each query attends in one part.
+# The attention features under CPConfig(overlap=...): softcap and windows (gemma2), sinks and
+# windows (gpt_oss), Dk != Dv with K/V pre-expanded (deepseek_v3). Split by queries each query
+# attends in one part; split by keys the softcap applies in both parts, the sinks join the local
+# part once, and the windowed layers attend in order.
 OVERLAP_CASES = [("gemma2", 2), ("gpt_oss", 3), ("deepseek_v3", 2)]
 
 
+@pytest.mark.parametrize("split", ["queries", "keys"])
 @pytest.mark.parametrize("family,world_size", OVERLAP_CASES, ids=[f"{f}-G{g}" for f, g in OVERLAP_CASES])
-def test_model_parity_with_overlap(gloo, family, world_size):
-    results = gloo(world_size).run(model_parity_case, family=family, overlap=True)
-    _assert_parity(results, f"{family} (overlap)")
+def test_model_parity_with_overlap(gloo, family, world_size, split):
+    results = gloo(world_size).run(model_parity_case, family=family, overlap=split)
+    _assert_parity(results, f"{family} (overlap by {split})")
     assert sum(res["ac"]["overlapped_queries"] for res in results) > 0
 
 

@@ -2,9 +2,9 @@
 (test_cp_parity_matrix.py) and the feature families (test_model_parity.py) check its exactness;
 here, what the overlap itself promises:
 
-- the order: the local part attends between the start and the end of the exchange (all-gather,
-  all-to-all-v), and in backward the reverse collective starts before the local part's backward
-  and is waited for after it;
+- the order, split by queries and by keys: the local part attends between the start and the end of
+  the exchange (all-gather, all-to-all-v), and in backward the reverse collective starts before the
+  local part's backward and is waited for after it;
 - the bytes: the step's meter counts the plan's bytes, as without overlap;
 - a rank whose every query reads the gathered rows, one whose queries read none, and frozen K/V
   projections (no reduce-scatter at all): every rank finishes, gradients exact;
@@ -26,7 +26,7 @@ from helpers.reference import build_models, compare_with_reference, reference_lo
 TOL = 1e-4
 
 
-def _events_case(rank, world_size, group, exchange):
+def _events_case(rank, world_size, group, exchange, split):
     """This rank's sequence of collective starts / waits and attention parts, forward and backward,
     for one llama step with activation checkpointing on the straddle pack."""
     events = []
@@ -43,6 +43,9 @@ def _events_case(rank, world_size, group, exchange):
     def traced_attend(step, q, k, v, **kwargs):
         part = "local" if kwargs.get("part") is step.overlap.local else "remote"
         events.append(f"forward {part}")
+        # A view made here: its hook fires once the kernel's backward gave q's gradient (a hook on q
+        # itself would wait for q's producer, recorded before the exchange started).
+        q = q.view_as(q)
         q.register_hook(lambda grad: events.append(f"backward {part}"))
         return attend(step, q, k, v, **kwargs)
 
@@ -52,7 +55,7 @@ def _events_case(rank, world_size, group, exchange):
         _, model = build_models("llama")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         _, batch = make_pack("straddle", world_size)
-        config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=True)
+        config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=split)
         train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
         with train_ctx() as step:
             model(**local).loss.backward()
@@ -62,11 +65,12 @@ def _events_case(rank, world_size, group, exchange):
         entry.local_attention = attend
 
 
+@pytest.mark.parametrize("split", ["queries", "keys"])
 @pytest.mark.parametrize("exchange,names", [("allgather", ("all-gather", "reduce-scatter")),
                                             ("a2a", ("a2a exchange", "a2a exchange backward"))])
-def test_local_attention_runs_while_the_collectives_are_in_flight(gloo, exchange, names):
+def test_local_attention_runs_while_the_collectives_are_in_flight(gloo, exchange, names, split):
     layers = build_models("llama")[1].config.num_hidden_layers
-    results = gloo(2).run(_events_case, exchange=exchange)
+    results = gloo(2).run(_events_case, exchange=exchange, split=split)
     assert [parts for _, *parts in results] == [[True, False], [True, True]]  # rank 0 needs no foreign key
     fwd, bwd = names
     for rank, (events, has_local, has_remote) in enumerate(results):
@@ -137,9 +141,14 @@ def test_flex_attends_over_each_parts_rows(gloo):
         assert torch.allclose(logits["flex+overlap"], logits["dense"], atol=1e-5, rtol=1e-5), rank
 
 
-def test_overlap_needs_an_exchange_that_can_overlap():
-    with pytest.raises(ValueError, match="overlap=True needs a kv_exchange that can overlap.*got kv_exchange='heads'"):
-        bdcp.CPConfig(kv_exchange="heads", overlap=True)
-    with pytest.raises(TypeError, match="overlap must be True or False"):
-        bdcp.CPConfig(overlap="yes")
+def test_overlap_needs_an_exchange_that_can_overlap_and_by_keys_a_kernel_with_its_lse():
+    for split in (True, "keys"):
+        with pytest.raises(ValueError, match="needs a kv_exchange that can overlap.*got kv_exchange='heads'"):
+            bdcp.CPConfig(kv_exchange="heads", overlap=split)
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="overlap must be False, True, 'queries' or 'keys'"):
+            bdcp.CPConfig(overlap=bad)
+    with pytest.raises(ValueError, match="overlap='keys' merges .* attn_backend='flex' does not return .*use overlap='queries'"):
+        bdcp.CPConfig(attn_backend="flex", overlap="keys")
+    assert bdcp.CPConfig(overlap=True).overlap == "queries" and bdcp.CPConfig(attn_backend="dense", overlap="keys").overlap == "keys"
     assert bdcp.CPConfig(kv_exchange="auto", overlap=True).overlap  # auto: overlapped when it picks allgather
