@@ -13,7 +13,7 @@ Parts (docs/multigpu.md says what every column means; exactness is tested, tests
              times; FLOPs = block-causal area (bwd = 2.5x fwd); % of the 1/G ideal (rank 0 alone on the
              whole pack / G). Setups (hf_blockdiag_cp.bench.setups): "magi" and "ringflash".
   overlap    per layer: exchange alone, local attention alone (one kernel call), both as the model runs them
-             (in order, and with CPConfig(overlap=True) where the exchange can overlap: column `overlap`);
+             (in order, and overlapped where the exchange can: column `overlap`, "queries" or "keys");
              exposed communication = total - attention alone.
   e2e        fwd+bwd of the 1.2B and an 8B-class Llama config on packed batches (multigpu_e2e.py).
 
@@ -58,9 +58,9 @@ def _attn_kernels(ctx, args):
 
 
 def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange: str, layout: str,
-              overlap: bool = False) -> CPStep:
+              overlap: bool | str = False) -> CPStep:
     """The step of `rank` as the shard step builds it (the exchange as `exchange` resolves, the kernel's per-step
-    preparation done, the queries split with `overlap`), without a batch."""
+    preparation done, the attention split with `overlap`: `CPConfig.overlap`), without a batch."""
     lay = plan_layout(document_ids_for(lengths), G, layout)
     needs_plan = G > 1 and (exchange == "auto" or get_exchange(exchange).needs_plan)
     xplan = plan_exchange(lay) if needs_plan else None
@@ -73,12 +73,15 @@ def make_step(ctx: Ctx, lengths, G: int, rank: int, group, kernel: str, exchange
     return step
 
 
-def exchange_modes(args) -> list[tuple[str, bool]]:
+def exchange_modes(args, kernel: str) -> list[tuple[str, bool | str]]:
     """(exchange, overlap) pairs to time: every `--exchanges` entry in order, then (unless `--no-overlap`)
-    each one that can overlap attention (`CPConfig.overlap`) once more with it."""
+    each one that can overlap attention (`CPConfig.overlap`) once more split by queries, and once
+    more split by keys where `kernel` returns its log-sum-exp."""
     modes = [(x, False) for x in args.exchanges]
     if args.overlap:
-        modes += [(x, True) for x in args.exchanges if x != "auto" and get_exchange(x).begin is not None]
+        able = [x for x in args.exchanges if x != "auto" and get_exchange(x).begin is not None]
+        splits = ("queries", "keys") if get_kernel(kernel).returns_lse else ("queries",)
+        modes += [(x, split) for split in splits for x in able]
     return modes
 
 
@@ -124,7 +127,7 @@ def part_attention(ctx: Ctx, args) -> dict:
                 rows.append({**_srow(s), "kernel": kernel, "note": reason})
                 continue
             single = _single_ideal(ctx, args, s, kernel, dtype)
-            for exchange, overlap in exchange_modes(args):
+            for exchange, overlap in exchange_modes(args, kernel):
                 for layout in args.layouts:
                     if ctx.out_of_time(deadline):
                         rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "overlap": overlap,
@@ -227,7 +230,7 @@ def part_overlap(ctx: Ctx, args) -> dict:
         for kernel in _attn_kernels(ctx, args):
             if unsupported_reason(kernel, ctx.device, dtype, s["head_dim"], s["head_dim"]):
                 continue
-            for exchange, overlap in exchange_modes(args):
+            for exchange, overlap in exchange_modes(args, kernel):
                 for layout in args.layouts:
                     if ctx.out_of_time(deadline):
                         rows.append({**_srow(s), "kernel": kernel, "exchange": exchange, "overlap": overlap,
@@ -242,8 +245,8 @@ def part_overlap(ctx: Ctx, args) -> dict:
 
 def _overlap_row(ctx: Ctx, args, s: dict, kernel: str, exchange: str, layout: str, dtype, overlap=False) -> dict:
     """Per layer, max over ranks: the exchange alone, the local attention alone on already exchanged
-    K/V (one kernel call), and both as the model runs them (with `overlap`: the local queries during
-    the exchange); exposed communication = total - attention alone."""
+    K/V (one kernel call), and both as the model runs them (with `overlap`: what the rank holds
+    attended during the exchange); exposed communication = total - attention alone."""
     G = ctx.world
     reps, warmup = _timing(args)
     step = make_step(ctx, s["lengths"], G, ctx.rank, ctx.group, kernel, exchange, layout)
@@ -300,7 +303,8 @@ def parse_args(argv=None):
                         "heads times in the attention part only)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="attention and overlap parts: skip the rows that run an exchange overlapped with attention")
-    p.add_argument("--e2e-overlap", action="store_true", help="e2e: CPConfig(overlap=True)")
+    p.add_argument("--e2e-overlap", nargs="?", const="queries", default=False, choices=("queries", "keys"),
+                   help="e2e: CPConfig(overlap=...), split by queries (a bare --e2e-overlap) or by keys")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "balanced"])
     p.add_argument("--setups", type=lambda s: s.split(","), default=["magi", "ringflash"])
     p.add_argument("--tokens-per-rank", type=int, default=8192)

@@ -138,7 +138,7 @@ def _launch_child(ctx: Ctx, args, job: dict) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--e2e-child", json.dumps({**job, "result": str(result)}),
            "--out", str(ctx.out), "--device", args.device, "--timeout-s", str(args.e2e_child_timeout_s),
            "--steps", str(args.steps), "--e2e-kernel", args.e2e_kernel, "--e2e-layout", args.e2e_layout,
-           "--e2e-grad-sync", args.e2e_grad_sync] + (["--e2e-overlap"] if args.e2e_overlap else [])
+           "--e2e-grad-sync", args.e2e_grad_sync] + (["--e2e-overlap", args.e2e_overlap] if args.e2e_overlap else [])
     cmd += (["--e2e-fused-ce"] if args.e2e_fused_ce else []) + (["--tiny"] if args.tiny else [])
     cmd += [] if args.checkpointing else ["--no-checkpointing"]
     with open(raw / f"{job['tag']}_rank{ctx.rank}.log", "w") as logf:

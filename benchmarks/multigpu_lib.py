@@ -194,8 +194,10 @@ def write_results(ctx: Ctx, results: dict) -> str:
 
 
 def _mode(row: dict) -> str:
-    """The exchange of a row, `+overlap` when it ran overlapped with attention."""
-    return row["exchange"] + ("+overlap" if row.get("overlap") else "")
+    """The exchange of a row, `+overlap` when it ran overlapped with attention split by queries
+    (`overlap` True or "queries"), `+overlap_keys` split by keys."""
+    overlap = row.get("overlap")
+    return row["exchange"] + ("" if not overlap else "+overlap_keys" if overlap == "keys" else "+overlap")
 
 
 def short_table(results: dict) -> str:

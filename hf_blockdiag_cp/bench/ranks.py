@@ -11,6 +11,12 @@ work (allowed query-key pairs) and cost (`KernelCost`: the kernel's calibrated c
 
 `--calibrate` fits the KernelCost constants to those per-rank timings by least squares and writes
 `<out>/kernel_cost_<kernel>.json` (docs/layouts.md, "Calibration").
+
+`--overlaps queries keys` also runs every rank's attention split as `CPConfig(overlap=...)` splits
+it (`attention.split_attention`: its local part on the rank's own rows, its remote part on the
+exchange's rows, no exchange in between) and its local part alone: what the split costs in kernel
+time against the plain call of the same run (`over_plain`), and how long the busiest rank's local
+part runs (the time an exchange can hide under).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..planning import (
     plan_layout,
     rank_features,
 )
-from ..attention import local_attention
+from ..attention import local_attention, split_attention
 from ..step import CPStep, build_step
 from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_queued, write_json
 
@@ -120,32 +126,50 @@ def run(args) -> list[dict]:
 
         q_all, k_all, v_all = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
 
-        def rank_call(layout, rank: int, exchange_plan):
+        def rank_call(layout, rank: int, exchange_plan, overlap=False):
             """Rank `rank`'s fwd+bwd on the key buffer its exchange hands the kernel (all G·L rows in slot
-            order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs."""
-            step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan)
+            order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs;
+            with `overlap`, its split attention and, third, its local part alone (None without one)."""
+            step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan, overlap=overlap)
             keys = step.plan.row_positions  # the rows the exchange returns, in its order
-            q = q_all[layout.slot_positions[rank].to(device)].detach().requires_grad_()
-            k = k_all[keys].detach().requires_grad_()
-            v = v_all[keys].detach().requires_grad_()
+            own = layout.slot_positions[rank].to(device)
+            q = q_all[own].detach().requires_grad_()
+            k, v = (t[keys].detach().requires_grad_() for t in (k_all, v_all))
+            k_own, v_own = (t[own].detach().requires_grad_() for t in (k_all, v_all))
 
             def fwd_bwd():
-                out = local_attention(step, q, k, v, scale=None, sliding_window=None)
+                if step.overlap is None:
+                    out = local_attention(step, q, k, v, scale=None, sliding_window=None)
+                else:
+                    out = split_attention(step, q, k_own, v_own, lambda local: (k, v, local), scale=None,
+                                          sliding_window=None)
                 out.backward(torch.ones_like(out))
 
-            return fwd_bwd, predicted_pairs(step)
+            local_part = None if step.overlap is None else step.overlap.local
+
+            def local_only():
+                out = local_attention(step, local_part.take(q), k_own, v_own, scale=None, sliding_window=None,
+                                      part=local_part, return_lse=step.overlap.by_keys)
+                out = out[0] if isinstance(out, tuple) else out
+                out.backward(torch.ones_like(out))
+
+            return fwd_bwd, predicted_pairs(step), None if local_part is None else local_only
 
         single = plan_layout(doc_ids, 1)
         needs_plan = get_exchange(args.exchange).needs_plan
-        single_fn, _ = rank_call(single, 0, plan_exchange(single) if needs_plan else None)
+        single_fn, _, _ = rank_call(single, 0, plan_exchange(single) if needs_plan else None)
         single_ms = None
         for cp_size in args.cp_sizes:
             for strategy in strategies:
                 layout = plan_layout(doc_ids, cp_size, strategy, kernel_cost=kernel_cost)
                 exchange_plan = plan_exchange(layout) if needs_plan else None
-                calls, pairs = zip(*(rank_call(layout, r, exchange_plan) for r in range(cp_size)))
+                calls, pairs, _ = zip(*(rank_call(layout, r, exchange_plan) for r in range(cp_size)))
                 # The single-GPU call takes turns with the ranks: clock drift hits numerator and denominator alike.
                 fns = {"single": single_fn, **{r: fn for r, fn in enumerate(calls)}}
+                for mode in args.overlaps:
+                    split_calls = [rank_call(layout, r, exchange_plan, mode) for r in range(cp_size)]
+                    fns.update({(mode, r): fn for r, (fn, _, _) in enumerate(split_calls)})
+                    fns.update({(mode, r, "local"): fn for r, (_, _, fn) in enumerate(split_calls) if fn is not None})
                 for fn in fns.values():
                     fn()  # compile / warm
                 timed = time_queued(fns, calls=args.calls, rounds=args.reps)
@@ -168,8 +192,24 @@ def run(args) -> list[dict]:
                     "rank_features": rank_features(layout, kernel_cost),
                 })
                 print(rows[-1], flush=True)
+                rows += [split_row(rows[-1], mode, timed, cp_size) for mode in args.overlaps]
                 del calls, fns
     return rows
+
+
+def split_row(plain: dict, mode: str, timed: dict, cp_size: int) -> dict:
+    """The row of one split mode next to its plain row (same layout, same run): the busiest rank's
+    split time over the plain busiest rank's, and its local part's share of its split time."""
+    times = [timed[(mode, r)] for r in range(cp_size)]
+    local = [timed.get((mode, r, "local"), 0.0) for r in range(cp_size)]
+    busiest = max(range(cp_size), key=times.__getitem__)
+    row = {"scenario": plain["scenario"], "G": cp_size, "strategy": plain["strategy"], "exchange": plain["exchange"],
+           "overlap": mode, "max_rank_ms": times[busiest], "ideal_ms": plain["ideal_ms"],
+           "max_over_ideal": times[busiest] / plain["ideal_ms"], "over_plain": times[busiest] / plain["max_rank_ms"],
+           "busiest_local_ms": local[busiest], "busiest_local_share": local[busiest] / times[busiest],
+           "rank_ms": [round(t, 4) for t in times], "rank_local_ms": [round(t, 4) for t in local]}
+    print(row, flush=True)
+    return row
 
 
 def plot(rows, path):
@@ -207,6 +247,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[n for n in exchange_names() if not get_exchange(n).head_parallel],
                    help="the exchange whose key buffer each rank's kernel sees: allgather (all G·L rows) "
                         "or a needed-only one (halo, a2a: the rank's needed rows); head-parallel ones see the whole pack")
+    p.add_argument("--overlaps", nargs="*", default=[], choices=["queries", "keys"],
+                   help="also time every rank's attention split as CPConfig(overlap=...) splits it, and its local part")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")
     p.add_argument("--out", default="bench_out")
@@ -229,13 +271,18 @@ def main(args) -> None:
     if args.calibrate:
         calibrate(rank_samples(rows), args)
     rows = [r for r in rows if r["strategy"] != "single"]
-    table = markdown_table(rows, ["scenario", "G", "strategy", "exchange", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
-                                  "mean_over_ideal", "predicted_max_over_mean", "predicted_cost_over_ideal"])
+    table = markdown_table([r for r in rows if "overlap" not in r], [
+        "scenario", "G", "strategy", "exchange", "single_ms", "max_rank_ms", "ideal_ms", "max_over_ideal",
+        "mean_over_ideal", "predicted_max_over_mean", "predicted_cost_over_ideal"])
+    if args.overlaps:
+        table += "\n\n" + markdown_table([r for r in rows if "overlap" in r], [
+            "scenario", "G", "strategy", "exchange", "overlap", "max_rank_ms", "max_over_ideal", "over_plain",
+            "busiest_local_ms", "busiest_local_share"])
     print(table)
     write_json(f"{args.out}/ranks.json", {"env": environment(), "args": vars(args), "rows": rows})
     with open(f"{args.out}/ranks.md", "w") as f:
         f.write(table + "\n")
-    plot(rows, f"{args.out}/ranks.png")
+    plot([r for r in rows if "overlap" not in r], f"{args.out}/ranks.png")
 
 
 def calibrate(samples: list[dict], args, env: dict | None = None, what: str = "") -> KernelCost:
@@ -260,7 +307,7 @@ def calibrate(samples: list[dict], args, env: dict | None = None, what: str = ""
 def rank_samples(rows: list[dict]) -> list[dict]:
     """One calibration sample per rank timing: its ms and its features."""
     return [{"ms": ms, "features": f, "scenario": r["scenario"], "G": r["G"], "strategy": r["strategy"]}
-            for r in rows for ms, f in zip(r["rank_ms"], r["rank_features"])]
+            for r in rows if "overlap" not in r for ms, f in zip(r["rank_ms"], r["rank_features"])]
 
 
 def samples_from(paths: list[str], kernel: str) -> tuple[list[dict], dict]:

@@ -24,8 +24,11 @@ TOLERANCE = 0.10
 
 
 def _run_plan(row: dict) -> str | None:
-    """The overlap a run's row was measured with: the split as built for `CPConfig(overlap=True)`, else none."""
-    return "planned" if row.get("overlap") is True else None
+    """The overlap plan (`scaling_model.OVERLAP_PLANS`) a run's row was measured with: "planned" for the
+    split by queries (`overlap` "queries", or True in runs before the split by keys), "keys" for the
+    split by keys, else None."""
+    overlap = row.get("overlap")
+    return "keys" if overlap == "keys" else "planned" if overlap in (True, "queries") else None
 
 def _heads(s: str) -> tuple[int, int, int]:
     q, rest = s.split("/")
@@ -151,7 +154,7 @@ def validate_attention(results: dict, net: Network, tol: float = TOLERANCE) -> l
         comm = sum(net.collective_ms(cost.rows[(kind, d)] * row_b, G, kind, d) for d in ("fwd", "bwd"))
         attn = ideal * cost.max_work * G / cost.total_work
         pred = attn + cost.exposed_ms(comm, attn, 0.0, _run_plan(r))
-        mode = kind + ("+overlap" if r.get("overlap") else "")
+        mode = kind + {None: "", "planned": "+overlap", "keys": "+overlap_keys"}[_run_plan(r)]
         out.append(_vrow(f"attention {r['setup']}/{r['pack']} {mode} {r['layout']}", "fwd+bwd % of 1/G ideal",
                          100 * ideal / pred, r["fwdbwd_pct_ideal"], tol))
     return out

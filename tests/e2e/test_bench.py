@@ -113,6 +113,28 @@ def test_bench_ranks_cpu_smoke(tmp_path):
         assert fit["cost"]["ms_per_tile"] > 0 and len(fit["samples"]) == 1 + 1 + 2 * (2 + 3) * 2
 
 
+def test_bench_ranks_times_the_splits_next_to_the_plain_call(tmp_path):
+    """`--overlaps`: each rank's split attention and its local part, one row per split mode after each
+    plain row; the calibration keeps to the plain rows."""
+    bench_main(["ranks", "--device", "cpu", "--backend", "dense", "--seq-len", "512", "--cp-sizes", "2",
+                "--scenarios", "one_doc", "lognormal4k", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                "--dtype", "float32", "--reps", "1", "--calls", "1", "--overlaps", "queries", "keys", "--calibrate",
+                "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "ranks.json").read_text())["rows"]
+    assert [(r["scenario"], r["strategy"], r.get("overlap")) for r in rows] == [
+        (s, strategy, mode) for s in ("one_doc", "lognormal4k") for strategy in ("contiguous", "balanced")
+        for mode in (None, "queries", "keys")]
+    for r in rows:
+        if r.get("overlap"):
+            assert r["over_plain"] > 0 and len(r["rank_local_ms"]) == 2 and 0 <= r["busiest_local_share"] <= 1, r
+    # One document over two contiguous ranks: rank 1's every query continues it, so split by queries it
+    # has no local part; split by keys every query attends over its own keys first.
+    one_doc = {r["overlap"]: r for r in rows if r["scenario"] == "one_doc" and r["strategy"] == "contiguous" and r.get("overlap")}
+    assert one_doc["queries"]["rank_local_ms"][1] == 0 and one_doc["keys"]["rank_local_ms"][1] > 0
+    assert len(json.loads((tmp_path / "kernel_cost_dense.json").read_text())["samples"]) == 2 + 2 * 2 * 2
+    assert "busiest_local_share" in (tmp_path / "ranks.md").read_text()
+
+
 def test_bench_model_memory_features_on_ours_only(tmp_path):
     """`--tiled-mlp` and `--offload-checkpoints` act on the model ours runs on, not on the baseline's."""
     bench_main(["model", "--tiny", "--device", "cpu", "--layers", "2", "--seq-lens", "128", "--methods",

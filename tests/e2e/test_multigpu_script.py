@@ -43,7 +43,8 @@ def test_multigpu_script_cpu_smoke(tmp_path):
 
     attention = [r for r in parts["attention"]["rows"] if r["pack"] != "ALL"]
     assert {r["setup"] for r in attention} == {"magi", "ringflash"}
-    modes = [(x, o) for o in (False, True) for x in ("allgather", "halo", "a2a")]  # each also overlapped
+    # each also overlapped, split by queries and (dense returns its log-sum-exp) by keys
+    modes = [(x, o) for o in (False, "queries", "keys") for x in ("allgather", "halo", "a2a")]
     assert {(r["exchange"], r["overlap"], r["layout"]) for r in attention} == {
         (x, o, lay) for x, o in modes for lay in ("contiguous", "balanced")
     }
@@ -64,8 +65,8 @@ def test_multigpu_script_cpu_smoke(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--summarize", str(out), "--out", str(summary)], cwd=REPO, check=True,
                    capture_output=True, timeout=120)
     text = (summary / "scaling.md").read_text()
-    assert text.count("| magi |") == 12 and text.count("| ringflash |") == 12  # one ALL row per exchange mode x layout
-    assert text.count("allgather+overlap") == 4
+    assert text.count("| magi |") == 18 and text.count("| ringflash |") == 18  # one ALL row per exchange mode x layout
+    assert text.count("allgather+overlap |") == 4 and text.count("allgather+overlap_keys |") == 4
 
 
 def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
@@ -77,5 +78,5 @@ def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
     assert [r["tokens"] for r in rows] == [256, 512, 1024]
     for r in rows:
         assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["layout"] == "contiguous" and r["status"] == "ok", r
-        assert r["overlap"] is True, r
+        assert r["overlap"] == "queries", r
         assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
