@@ -23,14 +23,6 @@ def _weights(lse_a, lse_b, acc):
     return torch.exp(lse_a.to(acc) - lse).unsqueeze(-1), torch.exp(lse_b.to(acc) - lse).unsqueeze(-1)
 
 
-def merge_partial_softmax(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
-    """out_* [n,H,Dv] and lse_* [n,H] of one set of queries over two disjoint key sets -> [n,H,Dv]
-    over their union, in out_a's dtype (the weights and the sum in at least float32)."""
-    acc = torch.promote_types(out_a.dtype, torch.float32)
-    weight_a, weight_b = _weights(lse_a, lse_b, acc)
-    return (weight_a * out_a.to(acc) + weight_b * out_b.to(acc)).to(out_a.dtype)
-
-
 def merge_into(out, lse, rows, other_out, other_lse) -> torch.Tensor:
     """`out` [L,H,Dv] (lse [L,H]) with its `rows` (a `(start, stop)` range or an index of n rows)
     merged with `other_out` [n,H,Dv] (`other_lse` [n,H]) over other keys -> a new [L,H,Dv].

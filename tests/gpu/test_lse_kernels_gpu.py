@@ -87,8 +87,8 @@ def test_fa4_lse_and_its_backward_match_float64(feature, head_dims):
 
 @pytest.mark.parametrize("kernel", ["fa4", "dense"])
 def test_the_merged_split_equals_the_whole_attention(kernel):
-    """Both parts of every rank, merged by `merge_partial_softmax`, against the kernel-free float64
-    dense attention of the whole plan: outputs and q, k, v gradients, through the merge."""
+    """Both parts of every rank, merged by `StepOverlap.merge_by_keys` (`kernels.lse.merge_into`),
+    against the float64 dense attention of the whole plan: outputs and q, k, v gradients."""
     head_dim = 64
     reason = unsupported_reason(kernel, torch.device("cuda"), torch.bfloat16, head_dim, head_dim, needs_lse=True)
     if reason is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_blockdiag_cp.kernels.lse import merge_into, merge_partial_softmax
+from hf_blockdiag_cp.kernels.lse import merge_into
 
 
 def _partial(q, k, v):
@@ -31,7 +31,5 @@ def test_merged_rows_are_the_softmax_over_both_key_sets(rows):
     untouched = torch.ones(6, dtype=torch.bool)
     untouched[index] = False
     assert torch.equal(merged[untouched], out[untouched])
-    torch.testing.assert_close(merge_partial_softmax(out[index], lse[index], other_out, other_lse), union_out,
-                               rtol=1e-12, atol=1e-12)
     inputs = [t.detach().clone().requires_grad_(True) for t in (out, lse, other_out, other_lse)]
     assert torch.autograd.gradcheck(lambda a, b, c, d: merge_into(a, b, rows, c, d), inputs)
