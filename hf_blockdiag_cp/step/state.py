@@ -185,10 +185,11 @@ class StepPart:
         )
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
-        """This part's rows of `x` `[L, ...]`."""
+        """This part's rows of `x` `[L, ...]` (`x` itself when they are all its rows: a slice's backward
+        would fill a zero gradient of `x`'s size first)."""
         if isinstance(self.queries, tuple):
             start, stop = self.queries
-            return x.narrow(0, start, stop - start)
+            return x if (start, stop) == (0, x.shape[0]) else x.narrow(0, start, stop - start)
         return x.index_select(0, self.queries)
 
     def cached(self, key, build):
