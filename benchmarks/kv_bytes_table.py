@@ -1,4 +1,5 @@
-"""K/V bytes per rank and layer: allgather vs halo vs a2a, on realistic packs (planning only).
+"""Exchange bytes per rank and layer: allgather vs halo vs a2a vs heads, on realistic packs and one
+long document (planning only).
 
 Every number comes from the exchange planner (`plan_layout`, `plan_exchange`,
 `choose_exchange`); nothing runs a kernel or a collective. The gloo tests check that the real
@@ -14,9 +15,12 @@ hf_blockdiag_cp/bench/data/doc_length_distribution.csv (MagiAttention's method: 
 proportional to its count, then a length uniform within the bucket, capped at a quarter of the
 pack), appended until the pack of S tokens is full; the last document is cut to fit. PACKS
 packs per S (seeds 0..PACKS-1), the same packs for every G, contiguous layout (the default).
-Columns (mean over packs): allgather MB; a2a MB as mean / max over ranks; halo: the share of
-packs where it is valid (no needed document over more than two ranks) and its max-rank MB over
-those packs (it moves the same rows as a2a); auto: what `kv_exchange="auto"` picks.
+A second kind of pack is one document of S tokens. Columns (mean over packs): allgather MB; a2a
+MB as mean / max over ranks; heads MB: the head-parallel exchange (q, k, v in and the outputs,
+`layer_bytes` with the 32 query heads; the same on every rank and for every pack) and its ratio to
+the all-gather; halo: the share of packs where it is valid (no needed document over more than two
+ranks) and its max-rank MB over those packs (it moves the same rows as a2a); auto: what
+`kv_exchange="auto"` picks (never heads).
 
 Run: python benchmarks/kv_bytes_table.py [--packs 16] [--out bench_out]   (writes OUT/kv_bytes.md)
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_blockdiag_cp.planning import choose_exchange, get_exchange, kv_row_bytes, plan_exchange
+from hf_blockdiag_cp.planning import AttentionShape, choose_exchange, get_exchange, kv_row_bytes, plan_exchange
 from hf_blockdiag_cp.bench.common import histogram_buckets
 from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
@@ -39,6 +43,7 @@ from hf_blockdiag_cp.planning import document_ids_from_lengths, plan_layout
 SEQ_LENS = {"128k": 131072, "512k": 524288, "1M": 1048576}
 CP_SIZES = (2, 4, 8, 16)
 ROW_BYTES = kv_row_bytes(kv_heads=8, head_dim_k=128, head_dim_v=128, bytes_per_element=2)
+SHAPE = AttentionShape(heads=32, kv_heads=8, head_dim_k=128, head_dim_v=128, bytes_per_element=2)
 MB = 1024 * 1024
 
 
@@ -70,6 +75,7 @@ def measure(lengths: list[int], cp_size: int) -> dict:
         "allgather": get_exchange("allgather").rows_per_layer(plan, 0)[0] * ROW_BYTES,
         "a2a_mean": statistics.mean(a2a),
         "a2a_max": max(a2a),
+        "heads": max(get_exchange("heads").layer_bytes(plan, r, SHAPE).forward for r in range(cp_size)),
         "halo_valid": get_exchange("halo").reason(plan) is None,
         "auto": choose_exchange("auto", plan),
     }
@@ -78,24 +84,31 @@ def measure(lengths: list[int], cp_size: int) -> dict:
 def table(packs: int) -> str:
     histogram = load_histogram()
     lines = [
-        "| S | G | docs/pack | allgather MB | a2a MB mean / max | a2a / allgather (max) | halo valid | halo MB max | auto picks |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| pack | S | G | docs/pack | allgather MB | a2a MB mean / max | a2a / allgather (max) | heads MB | heads / allgather "
+        "| halo valid | halo MB max | auto picks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, seq_len in SEQ_LENS.items():
-        pack_lengths = [sample_pack(seq_len, seed, histogram) for seed in range(packs)]
-        docs = statistics.mean(len(p) for p in pack_lengths)
-        for g in CP_SIZES:
-            rows = [measure(p, g) for p in pack_lengths]
-            ag = statistics.mean(r["allgather"] for r in rows)
-            mean = statistics.mean(r["a2a_mean"] for r in rows)
-            mx = statistics.mean(r["a2a_max"] for r in rows)
-            halo = [r["a2a_max"] for r in rows if r["halo_valid"]]
-            halo_mb = f"{statistics.mean(halo) / MB:.0f}" if halo else "—"
-            picks = ", ".join(f"{k} {v}/{packs}" for k, v in Counter(r["auto"] for r in rows).most_common())
-            lines.append(
-                f"| {name} | {g} | {docs:.0f} | {ag / MB:.0f} | {mean / MB:.0f} / {mx / MB:.0f} | {mx / ag:.2f} | "
-                f"{len(halo)}/{packs} | {halo_mb} | {picks} |"
-            )
+    for kind in ("real", "one doc"):
+        for name, seq_len in SEQ_LENS.items():
+            if kind == "real":
+                pack_lengths = [sample_pack(seq_len, seed, histogram) for seed in range(packs)]
+            else:
+                pack_lengths = [[seq_len]]
+            n = len(pack_lengths)
+            docs = statistics.mean(len(p) for p in pack_lengths)
+            for g in CP_SIZES:
+                rows = [measure(p, g) for p in pack_lengths]
+                ag = statistics.mean(r["allgather"] for r in rows)
+                mean = statistics.mean(r["a2a_mean"] for r in rows)
+                mx = statistics.mean(r["a2a_max"] for r in rows)
+                heads = statistics.mean(r["heads"] for r in rows)
+                halo = [r["a2a_max"] for r in rows if r["halo_valid"]]
+                halo_mb = f"{statistics.mean(halo) / MB:.0f}" if halo else "—"
+                picks = ", ".join(f"{k} {v}/{n}" for k, v in Counter(r["auto"] for r in rows).most_common())
+                lines.append(
+                    f"| {kind} | {name} | {g} | {docs:.0f} | {ag / MB:.0f} | {mean / MB:.0f} / {mx / MB:.0f} | {mx / ag:.2f} | "
+                    f"{heads / MB:.0f} | {heads / ag:.2f} | {len(halo)}/{n} | {halo_mb} | {picks} |"
+                )
     return "\n".join(lines)
 
 
@@ -107,8 +120,9 @@ def main() -> None:
     start = time.perf_counter()
     body = table(args.packs)
     header = (
-        f"Per-layer K/V bytes one rank receives in the forward (MB = 2^20 B), 8 kv heads x dim 128, bf16 "
-        f"({ROW_BYTES} B per token); {args.packs} packs per S from doc_length_distribution.csv, contiguous layout. "
+        f"Per-layer bytes one rank receives in the forward (MB = 2^20 B), 32 query / 8 kv heads x dim 128, bf16 "
+        f"({ROW_BYTES} B of K/V per token); real: {args.packs} packs per S from doc_length_distribution.csv; one doc: "
+        "one document of S tokens; contiguous layout. "
         "Produced by `python benchmarks/kv_bytes_table.py`."
     )
     text = f"{header}\n\n{body}\n"
