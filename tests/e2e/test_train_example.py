@@ -72,12 +72,12 @@ def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", False), ("qwen3_5", True)],
-                         ids=["llama", "qwen3_5", "qwen3_5-overlap"])
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", False), ("qwen3_5", "keys")],
+                         ids=["llama", "qwen3_5", "qwen3_5-overlap-keys"])
 def test_cp2_run_matches_one_process_and_reference(tmp_path, arch, overlap):
     """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP,
-    and with `--overlap` its full-attention layers' all-gather overlapped with attention."""
-    args = [*ARGS, "--tiny-arch", arch, *(["--overlap"] if overlap else [])]
+    and with `--overlap keys` its full-attention layers' all-gather overlapped with attention split by keys."""
+    args = [*ARGS, "--tiny-arch", arch, *(["--overlap", overlap] if overlap else [])]
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
     one = _start([sys.executable, str(EXAMPLE), *args, "--output-dir", str(one_dir)], tmp_path / "one.log")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -99,7 +99,7 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, arch, overlap):
            "layout contiguous"  # on CPU `auto` runs dense; said once, by the main rank
     for log, overlapped in (("one.log", False), ("two.log", overlap)):  # one process has no exchange to overlap
         text = (tmp_path / log).read_text()
-        assert text.count(said.format(" overlapped with attention (split by queries)" if overlapped else "")) == 1, log  # on stderr
+        assert text.count(said.format(f" overlapped with attention (split by {overlap})" if overlapped else "")) == 1, log
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"

@@ -110,12 +110,12 @@ def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL):
 @pytest.mark.parametrize(
     "world_size,regions,checkpointing,overlap",
     [(2, "model", False, False), (2, "layers", False, False), (2, "layers", True, False), (1, "model", False, False),
-     (2, "model", True, True)],
-    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap"],
+     (2, "model", True, "queries"), (2, "model", True, "keys")],
+    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap", "cp2-model-ac-overlap-keys"],
 )
 def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing, overlap):
-    """Also compiled with the exchange overlapped (against the eager model in order): its collectives
-    stay out of the graphs like the plain exchange's."""
+    """Also compiled with the exchange overlapped, split by queries and by keys (against the eager
+    model in order): its collectives and the merge stay out of the graphs like the plain exchange's."""
     results = gloo(world_size).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing,
                                    overlap=overlap)
     _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}")

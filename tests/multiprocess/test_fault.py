@@ -88,8 +88,8 @@ def fault_cases():
     every rank, or, for an exchange that cannot serve that (halo), short documents across shard
     boundaries, where only rank 1 talks to rank 2, so the failure reaches rank 0 through rank 1. A
     head-parallel exchange, which cannot split the tiny model's 4 query heads over 3 ranks, runs it
-    with 6 query / 3 kv heads. An exchange that can overlap attention runs again with overlap: the
-    failing rank then raises while its exchange is still in flight."""
+    with 6 query / 3 kv heads. An exchange that can overlap attention runs again with overlap, split by
+    queries and by keys: the failing rank then raises while its exchange is still in flight."""
     cases = []
     for name in exchange_names():
         overrides = {} if heads_refusal(name, WORLD_SIZE) is None else {"num_attention_heads": 6, "num_key_value_heads": 3}
@@ -99,7 +99,7 @@ def fault_cases():
             if choose_exchange(name, plan_exchange(plan_layout(ids, WORLD_SIZE))) == name:
                 cases.append((name, layout, failing_rank, overrides, False))
                 if get_exchange(name).begin is not None:
-                    cases.append((name, layout, failing_rank, overrides, True))
+                    cases += [(name, layout, failing_rank, overrides, split) for split in ("queries", "keys")]
                 break
     return cases
 
