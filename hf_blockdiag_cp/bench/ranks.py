@@ -108,6 +108,38 @@ def fit_kernel_cost(samples: list[dict], base: KernelCost) -> tuple[KernelCost, 
     return fitted, err, float(np.abs(base_pred / ms - 1).max())
 
 
+def rank_call(args, device, rows: tuple, layout, rank: int, exchange_plan, overlap=False):
+    """Rank `rank`'s fwd+bwd on the key buffer its exchange hands the kernel (all G·L rows in slot
+    order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs;
+    with `overlap`, its split attention and, third, its local part alone (None without one).
+    `rows`: q, k, v of every pack position."""
+    q_all, k_all, v_all = rows
+    step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan, overlap=overlap)
+    keys = step.plan.row_positions  # the rows the exchange returns, in its order
+    own = layout.slot_positions[rank].to(device)
+    q = q_all[own].detach().requires_grad_()
+    k, v = (t[keys].detach().requires_grad_() for t in (k_all, v_all))
+    k_own, v_own = (t[own].detach().requires_grad_() for t in (k_all, v_all))
+
+    def fwd_bwd():
+        if step.overlap is None:
+            out = local_attention(step, q, k, v, scale=None, sliding_window=None)
+        else:
+            out = split_attention(step, q, k_own, v_own, lambda local: (k, v, local), scale=None,
+                                  sliding_window=None)
+        out.backward(torch.ones_like(out))
+
+    local_part = None if step.overlap is None else step.overlap.local
+
+    def local_only():
+        out = local_attention(step, local_part.take(q), k_own, v_own, scale=None, sliding_window=None,
+                              part=local_part, return_lse=step.overlap.by_keys)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(torch.ones_like(out))
+
+    return fwd_bwd, predicted_pairs(step), None if local_part is None else local_only
+
+
 def run(args) -> list[dict]:
     device = torch.device(args.device)
     kernel_cost = kernel_cost_for(args)
@@ -124,50 +156,20 @@ def run(args) -> list[dict]:
         def rand(h):
             return torch.randn(s_pad, h, args.head_dim, device=device, dtype=dtype, generator=g)
 
-        q_all, k_all, v_all = rand(args.heads), rand(args.kv_heads), rand(args.kv_heads)
-
-        def rank_call(layout, rank: int, exchange_plan, overlap=False):
-            """Rank `rank`'s fwd+bwd on the key buffer its exchange hands the kernel (all G·L rows in slot
-            order for the all-gather, the needed rows in pack order otherwise), and its allowed pairs;
-            with `overlap`, its split attention and, third, its local part alone (None without one)."""
-            step = build_step(layout, rank, None, device, args.backend, args.exchange, exchange_plan, overlap=overlap)
-            keys = step.plan.row_positions  # the rows the exchange returns, in its order
-            own = layout.slot_positions[rank].to(device)
-            q = q_all[own].detach().requires_grad_()
-            k, v = (t[keys].detach().requires_grad_() for t in (k_all, v_all))
-            k_own, v_own = (t[own].detach().requires_grad_() for t in (k_all, v_all))
-
-            def fwd_bwd():
-                if step.overlap is None:
-                    out = local_attention(step, q, k, v, scale=None, sliding_window=None)
-                else:
-                    out = split_attention(step, q, k_own, v_own, lambda local: (k, v, local), scale=None,
-                                          sliding_window=None)
-                out.backward(torch.ones_like(out))
-
-            local_part = None if step.overlap is None else step.overlap.local
-
-            def local_only():
-                out = local_attention(step, local_part.take(q), k_own, v_own, scale=None, sliding_window=None,
-                                      part=local_part, return_lse=step.overlap.by_keys)
-                out = out[0] if isinstance(out, tuple) else out
-                out.backward(torch.ones_like(out))
-
-            return fwd_bwd, predicted_pairs(step), None if local_part is None else local_only
-
+        rows_all = (rand(args.heads), rand(args.kv_heads), rand(args.kv_heads))  # q, k, v of every position
         single = plan_layout(doc_ids, 1)
         needs_plan = get_exchange(args.exchange).needs_plan
-        single_fn, _, _ = rank_call(single, 0, plan_exchange(single) if needs_plan else None)
+        single_fn, _, _ = rank_call(args, device, rows_all, single, 0, plan_exchange(single) if needs_plan else None)
         single_ms = None
         for cp_size in args.cp_sizes:
             for strategy in strategies:
                 layout = plan_layout(doc_ids, cp_size, strategy, kernel_cost=kernel_cost)
                 exchange_plan = plan_exchange(layout) if needs_plan else None
-                calls, pairs, _ = zip(*(rank_call(layout, r, exchange_plan) for r in range(cp_size)))
+                calls, pairs, _ = zip(*(rank_call(args, device, rows_all, layout, r, exchange_plan) for r in range(cp_size)))
                 # The single-GPU call takes turns with the ranks: clock drift hits numerator and denominator alike.
                 fns = {"single": single_fn, **{r: fn for r, fn in enumerate(calls)}}
                 for mode in args.overlaps:
-                    split_calls = [rank_call(layout, r, exchange_plan, mode) for r in range(cp_size)]
+                    split_calls = [rank_call(args, device, rows_all, layout, r, exchange_plan, mode) for r in range(cp_size)]
                     fns.update({(mode, r): fn for r, (fn, _, _) in enumerate(split_calls)})
                     fns.update({(mode, r, "local"): fn for r, (_, _, fn) in enumerate(split_calls) if fn is not None})
                 for fn in fns.values():
