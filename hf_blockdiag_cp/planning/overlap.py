@@ -1,10 +1,11 @@
 """Overlap plans: what of a rank's attention can run while its K/V exchange is in flight.
 
-Split by queries (`plan_overlap`, `CPConfig(overlap="queries")`). A query run (consecutive local queries of one segment, `plan_rank`) whose keys all lie on the
-rank itself, or a run of padding (which attends over the padding rows the rank holds: its output
-reaches no real token), needs nothing from the exchange: its attention can run before the exchange has
-delivered. `plan_overlap` splits a rank's plan into that *local* part and the *remote* rest,
-each a `RankPlan` of its own over a subset of the query runs:
+Split by queries (`plan_overlap`, `CPConfig(overlap="queries")`). A query run (consecutive local
+queries of one segment, `plan_rank`) whose keys all lie on the rank itself, or a run of padding
+(which attends over the padding rows the rank holds: its output reaches no real token), needs
+nothing from the exchange: its attention can run before the exchange has delivered.
+`plan_overlap` splits a rank's plan into that *local* part and the *remote* rest, each a
+`RankPlan` of its own over a subset of the query runs:
 
 - local: key rows index the rank's own L rows (its shard of K and V, as the model computed them);
 - remote: key rows index the rows the exchange returns, as in the full plan.
