@@ -33,6 +33,7 @@ from hf_blockdiag_cp.attention import blockdiag_attention, local_attention
 from hf_blockdiag_cp.bench import setups as bench_setups
 from hf_blockdiag_cp.bench.common import causal_pairs, document_ids_for
 from hf_blockdiag_cp.comm import exchange_kv
+from hf_blockdiag_cp.config import OVERLAP_SPLITS
 from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
 from hf_blockdiag_cp.planning import choose_exchange, exchange_names, get_exchange, plan_exchange, plan_layout
 from hf_blockdiag_cp.step import CPStep, build_step
@@ -80,7 +81,7 @@ def exchange_modes(args, kernel: str) -> list[tuple[str, bool | str]]:
     modes = [(x, False) for x in args.exchanges]
     if args.overlap:
         able = [x for x in args.exchanges if x != "auto" and get_exchange(x).begin is not None]
-        splits = ("queries", "keys") if get_kernel(kernel).returns_lse else ("queries",)
+        splits = OVERLAP_SPLITS if get_kernel(kernel).returns_lse else ("queries",)
         modes += [(x, split) for split in splits for x in able]
     return modes
 
@@ -303,7 +304,7 @@ def parse_args(argv=None):
                         "heads times in the attention part only)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="attention and overlap parts: skip the rows that run an exchange overlapped with attention")
-    p.add_argument("--e2e-overlap", nargs="?", const="queries", default=False, choices=("queries", "keys"),
+    p.add_argument("--e2e-overlap", nargs="?", const="queries", default=False, choices=OVERLAP_SPLITS,
                    help="e2e: CPConfig(overlap=...), split by queries (a bare --e2e-overlap) or by keys")
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["contiguous", "balanced"])
     p.add_argument("--setups", type=lambda s: s.split(","), default=["magi", "ringflash"])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hf_blockdiag_cp.bench.common import markdown_table
+from hf_blockdiag_cp.step import exchange_label
 
 
 # --------------------------------------------------------------------------- process context
@@ -194,10 +195,8 @@ def write_results(ctx: Ctx, results: dict) -> str:
 
 
 def _mode(row: dict) -> str:
-    """The exchange of a row, `+overlap` when it ran overlapped with attention split by queries
-    (`overlap` True or "queries"), `+overlap_keys` split by keys."""
-    overlap = row.get("overlap")
-    return row["exchange"] + ("" if not overlap else "+overlap_keys" if overlap == "keys" else "+overlap")
+    """The exchange of a row, with how it overlapped attention (`exchange_label`)."""
+    return exchange_label(row["exchange"], row.get("overlap"))
 
 
 def short_table(results: dict) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.config import OVERLAP_SPLITS
 from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
 from hf_blockdiag_cp.kernels import kernel_names
 from hf_blockdiag_cp.planning import exchange_names, layout_strategies
@@ -55,7 +56,7 @@ def add_cp_config_arguments(parser) -> None:
                         "flash, te")
     parser.add_argument("--kv-exchange", default="allgather", help="K/V exchange: allgather, halo, a2a, auto")
     parser.add_argument("--layout", default="contiguous", help="how packs are sharded: contiguous, balanced")
-    parser.add_argument("--overlap", nargs="?", const="queries", default=False, choices=("queries", "keys"),
+    parser.add_argument("--overlap", nargs="?", const="queries", default=False, choices=OVERLAP_SPLITS,
                         help="attend over what the rank holds while the K/V exchange runs, split by queries (the "
                         "default of a bare --overlap) or by keys (CPConfig.overlap)")
 

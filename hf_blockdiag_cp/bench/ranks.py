@@ -41,6 +41,7 @@ from ..planning import (
     rank_features,
 )
 from ..attention import local_attention, split_attention
+from ..config import OVERLAP_SPLITS
 from ..step import CPStep, build_step
 from .common import document_ids_for, environment, lognormal_lengths, markdown_table, time_queued, write_json
 
@@ -249,7 +250,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[n for n in exchange_names() if not get_exchange(n).head_parallel],
                    help="the exchange whose key buffer each rank's kernel sees: allgather (all G·L rows) "
                         "or a needed-only one (halo, a2a: the rank's needed rows); head-parallel ones see the whole pack")
-    p.add_argument("--overlaps", nargs="*", default=[], choices=["queries", "keys"],
+    p.add_argument("--overlaps", nargs="*", default=[], choices=OVERLAP_SPLITS,
                    help="also time every rank's attention split as CPConfig(overlap=...) splits it, and its local part")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda", help="cuda; cpu only for smoke tests of the script")

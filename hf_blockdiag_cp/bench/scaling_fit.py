@@ -15,6 +15,7 @@ import statistics
 from dataclasses import replace
 
 from ..planning import kv_row_bytes
+from ..step import exchange_label
 from .scaling_model import BYTES_PER_ELEMENT, INTER_NODE_GBPS_PER_GPU, LATENCY_MS, Network, Setup, linear_flops_per_token
 from .scaling_model import pack_cost, step_ms
 from .setups import E2E_CONFIGS, SETUP_NAMES, attention_setups
@@ -154,7 +155,7 @@ def validate_attention(results: dict, net: Network, tol: float = TOLERANCE) -> l
         comm = sum(net.collective_ms(cost.rows[(kind, d)] * row_b, G, kind, d) for d in ("fwd", "bwd"))
         attn = ideal * cost.max_work * G / cost.total_work
         pred = attn + cost.exposed_ms(comm, attn, 0.0, _run_plan(r))
-        mode = kind + {None: "", "planned": "+overlap", "keys": "+overlap_keys"}[_run_plan(r)]
+        mode = exchange_label(kind, r.get("overlap"))
         out.append(_vrow(f"attention {r['setup']}/{r['pack']} {mode} {r['layout']}", "fwd+bwd % of 1/G ideal",
                          100 * ideal / pred, r["fwdbwd_pct_ideal"], tol))
     return out

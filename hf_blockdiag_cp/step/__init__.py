@@ -10,6 +10,7 @@ from .state import (
     CPStep,
     DevicePlan,
     StepChoices,
+    exchange_label,
     active_step,
     current_blockdiag_cp_state,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "ShardInfo",
     "StepAgreement",
     "StepChoices",
+    "exchange_label",
     "active_step",
     "build_step",
     "current_blockdiag_cp_state",

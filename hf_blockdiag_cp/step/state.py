@@ -34,6 +34,12 @@ KERNEL_CACHE_KEY = "kernel"
 logger = logging.getLogger(__name__)
 
 
+def exchange_label(exchange: str, overlap) -> str:
+    """How logs and tables name an exchange run with `overlap` (`CPConfig.overlap`, or a benchmark row's:
+    False / None, True or "queries", "keys"): `allgather`, `allgather+overlap`, `allgather+overlap_keys`."""
+    return exchange + ("" if not overlap else "+overlap_keys" if overlap == "keys" else "+overlap")
+
+
 @dataclass(frozen=True)
 class StepChoices:
     """What a CP step ran: the kernels of its attention layers (one per layer kind, e.g. softcapped
@@ -58,8 +64,8 @@ class StepChoices:
     def as_logs(self) -> dict[str, str]:
         """The choices as Trainer log entries (`cp_kv_exchange` ends in `+overlap` when it overlapped
         attention split by queries, `+overlap_keys` split by keys)."""
-        suffix = {None: "", "queries": "+overlap", "keys": "+overlap_keys"}[self.overlap]
-        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": self.kv_exchange + suffix, "cp_layout": self.layout}
+        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": exchange_label(self.kv_exchange, self.overlap),
+                "cp_layout": self.layout}
 
 
 @functools.cache
