@@ -9,8 +9,8 @@ packs of a scenario:
   busiest   the local share of the rank with the most work (what the step waits for)
   min       the smallest local share over the ranks
   all       the pack's local work over its whole work
-  by keys   the busiest rank's share of work whose key it holds (`key_local_work`): what a split
-            by keys, merged by log-sum-exp, could run during the exchange (not built)
+  by keys   the busiest rank's share of work whose key it holds (`key_local_work`): what the split
+            by keys (CPConfig(overlap="keys")) runs during the exchange
 The exchange hides completely on a rank when its local part takes at least as long as the exchange.
 Run: python benchmarks/overlap_table.py [--packs 16] [--out bench_out]
 """

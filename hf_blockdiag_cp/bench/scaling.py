@@ -138,9 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-intra-ms", type=float, default=LATENCY_MS["intra"])
     p.add_argument("--latency-inter-ms", type=float, default=LATENCY_MS["inter"])
     p.add_argument("--overlaps", type=overlap_value, nargs="+", default=[0.0, PLANNED, KEYS, 1.0],
-                   help="K/V exchange overlaps to predict: fractions hidden, planned (CPConfig.overlap as built: "
-                        "hidden under the attention of the queries whose keys are local), or keys (a split by keys, "
-                        "not built: hidden under the attention over local keys)")
+                   help="K/V exchange overlaps to predict: fractions hidden, planned (CPConfig(overlap='queries'): "
+                        "hidden under the attention of the queries whose keys are local), or keys "
+                        "(CPConfig(overlap='keys'): hidden under the attention over local keys)")
     p.add_argument("--layout", default="balanced")
     p.add_argument("--exchange", default="allgather", choices=["allgather", "a2a"],
                    help="a2a: rough (its measured time is mostly a fixed per-call cost, modelled here as bytes / rate)")
@@ -199,7 +199,7 @@ def _predictions_section(args, base: Setup, r_lin: dict, G_measured: int) -> tup
     caption = (f"Predicted, not measured beyond G = {G_measured}: {args.kernel} kernel rates and collective rates measured, "
                f"inter-node {args.inter_gbps:g} GB/s per GPU assumed; bf16, activation checkpointing, {args.layout} layout, "
                f"{args.exchange}; packs {', '.join(_fmt_tokens(s) for s in args.tokens)} (real length histogram, cap S/4); "
-               f"solid f={fkey(ov[0])}, dashed f={fkey(ov[-1])}, dotted between (planned: the overlap as built; keys: split by keys, not built)")
+               f"solid f={fkey(ov[0])}, dashed f={fkey(ov[-1])}, dotted between (planned: split by queries; keys: split by keys)")
     plot(prow, Path(args.out) / "scaling_model.png", ov, caption)
     md = [f"## Predicted per-GPU efficiency, same total pack (%, {fl})", "",
           "tokens/s per GPU at G over the model's G = 1 on the same pack (memory ignored).", "",

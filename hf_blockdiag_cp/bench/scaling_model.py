@@ -14,8 +14,9 @@ kernel, interpolated in log2(S). B(G): measured collective rates within a node (
 capped by an inter-node share per GPU beyond. f: the overlapped fraction of the K/V exchange (never
 more than the attention it runs under); or a planned split (`Setup.overlap_plan`): hidden =
 min(T_kv, T_attn * s), s the share of the busiest rank's work that can attend while its exchange
-runs: "planned", the split as built (`CPConfig(overlap=True)`, `planning.overlap_work`), or "keys",
-a split by keys that is not built (`planning.key_local_work`). Memory is not modelled.
+runs: "planned", the split by queries (`CPConfig(overlap="queries")`, `planning.overlap_work`), or
+"keys", the split by keys (`CPConfig(overlap="keys")`, `planning.key_local_work`); neither counts the
+split's own kernel cost (`bench ranks --overlaps`). Memory is not modelled.
 docs/scaling.md explains the terms and their inputs.
 """
 
@@ -140,8 +141,8 @@ def e2e_pack(tokens: int) -> tuple[int, ...]:
 
 
 # Planned overlaps, by the name `bench scaling --overlaps` takes: per rank, the work that can attend
-# while its exchange runs. "planned": the split by queries as built (CPConfig.overlap); "keys": a
-# split by keys, merged by log-sum-exp (not built).
+# while its exchange runs. "planned": the split by queries (CPConfig(overlap="queries")); "keys": the
+# split by keys, merged by log-sum-exp (CPConfig(overlap="keys")).
 OVERLAP_PLANS = {"planned": overlap_work, "keys": key_local_work}
 
 

@@ -47,8 +47,9 @@ def overlap_work(layout: Layout) -> torch.Tensor:
 
 def key_local_work(layout: Layout) -> torch.Tensor:
     """`[G]` attention work per rank over keys it holds: the query-key pairs of its rows whose key is on
-    the rank too. What a split by keys (the local keys while the exchange is in flight, the rest after
-    it, merged by log-sum-exp) could run during the exchange; never less than `overlap_work`. A row
+    the rank too. What the split by keys (`plan_key_overlap`: the local keys while the exchange is in
+    flight, the rest after it, merged by log-sum-exp) runs during the exchange; never less than
+    `overlap_work`. A row
     at position p sees its segment from `segment_starts[p]` to p; the rank holds those of its rows
     from the first at or after that start to the row itself (rows are in increasing pack order)."""
     pos = layout.slot_positions

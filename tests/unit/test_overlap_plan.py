@@ -108,7 +108,7 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
             pairs = [(q, k) for q, k in full_pairs if q in brute_positions]
             local_pairs = sum(1 for q, k in pairs if layout.document_ids[q] > 0 or k in held)
             assert int(overlap_work(layout)[rank]) == local_pairs
-            # What a split by keys could run during the exchange: every pair whose key this rank holds.
+            # What the split by keys runs during the exchange: every pair whose key this rank holds.
             key_pairs = sum(1 for q, k in full_pairs if q in held and k in held)
             assert int(key_local_work(layout)[rank]) == key_pairs >= local_pairs
         # The merge restores query order from cat([local, remote]) (or cat([remote, local])).

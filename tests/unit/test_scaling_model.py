@@ -70,7 +70,7 @@ def test_planned_overlap_hides_the_exchange_under_the_local_attention(bw):
     hidden = min(plain["kv"], share * plain["attention"])
     assert planned["kv_exposed"] == pytest.approx(plain["kv"] - hidden)
     assert planned["total"] == pytest.approx(plain["total"] - hidden)
-    # A split by keys (not built): the same with the busiest rank's share of work over keys it holds.
+    # The split by keys: the same with the busiest rank's share of work over keys it holds.
     key_share = int(key_local_work(lay)[busiest]) / int(work[busiest])
     assert share < key_share < 1.0
     by_keys = step_ms(CFG, S, G, replace(synthetic(bw=bw), overlap_plan="keys"))
