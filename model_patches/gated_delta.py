@@ -7,7 +7,7 @@ under CP each rank would see only its shard. The patch replaces each GatedDeltaN
 instance's `forward` (its parameters unchanged) with one that restarts both at every document
 of the pack, so outputs, loss and gradients equal the stock model run on each document alone.
 
-Under CP (G > 1) it runs head-parallel: one all-to-all (`comm.heads`) gives every rank the
+Under CP (G > 1) it runs head-parallel: one all-to-all (`comm.head_shards`) gives every rank the
 whole pack, in pack order, for Hk/G key heads and their value heads (pre-convolution q, k, v
 channels and the a, b gate inputs); the rank convolves with its rows of the depthwise kernel
 and runs the delta rule over every document; a second all-to-all returns [local rows, all
@@ -30,7 +30,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from hf_blockdiag_cp.comm.heads import heads_to_seq, seq_to_heads
+from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
 from .gated_delta_kernels import (

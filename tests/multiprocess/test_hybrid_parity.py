@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.comm.heads import heads_to_seq, seq_to_heads
+from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
 from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair
 from helpers.packs import make_pack
@@ -29,7 +29,7 @@ CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cos
 
 
 def heads_transport_case(rank, world_size, group):
-    """comm.heads against the same tensors indexed on one process: rank r holds rows
+    """comm.head_shards against the same tensors indexed on one process: rank r holds rows
     [r·L, (r+1)·L) of X [G·L, G, C]; seq_to_heads must return X[perm, r], its gradient
     (through every rank's loss) W[inverse perm] for this rank's rows, and heads_to_seq undo it."""
     rows, channels = 5, 3

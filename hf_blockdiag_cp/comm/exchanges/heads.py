@@ -1,5 +1,5 @@
 """`heads`: head-parallel softmax attention (Ulysses-style), the transport the gated delta-rule
-layers of hybrid models use (`comm.heads`), as an exchange record.
+token mixers of hybrid models use (`comm.head_shards`), as an exchange record.
 
 Forward: each rank sends head group j of its L rows (q, and k, v repeated where fewer kv heads
 than ranks need it: `planning.head_parallel`) to rank j by one all-to-all and puts the received
@@ -24,7 +24,7 @@ from ...planning.head_parallel import (
     plan_head_parallel,
 )
 from ..exchange import ExchangeMeter
-from ..heads import heads_to_seq, seq_to_heads
+from ..head_shards import heads_to_seq, seq_to_heads
 
 
 def heads_transport(q, k, v, attend, group, world_size: int, routes: HeadRoutes | None = None, meter: ExchangeMeter | None = None):
