@@ -98,7 +98,11 @@ def enable_tiled_mlp(model: torch.nn.Module, tile_tokens: int = 8192) -> int:
 
 class _OffloadedInput:
     """A checkpointed layer's input: on the device while the layer runs forward, then in pinned
-    host memory until its recompute, fetched back on a side stream one layer ahead."""
+    host memory, fetched back on a side stream one layer ahead of each recompute.
+
+    The host copy lives as long as the checkpoint's graph (which alone holds this object): a second
+    backward through the same graph (`retain_graph=True`) recomputes from it again, and the backward
+    that frees the graph frees it."""
 
     def __init__(self, x: torch.Tensor, offload: "CheckpointOffload"):
         self.device, self.requires_grad, self.offload = x.device, x.requires_grad, offload
@@ -143,7 +147,7 @@ class _OffloadedInput:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(done)
             x.record_stream(current)
-        self.host, self.fetched = None, None
+        self.fetched = None  # the device copy goes with this recompute; the host copy stays for another backward
         return x.detach().requires_grad_(self.requires_grad)
 
 
@@ -196,7 +200,7 @@ class CheckpointOffload:
 
 
 def enable_checkpoint_offload(model: torch.nn.Module) -> int:
-    """Offload each checkpointed layer's input to pinned host memory until its recompute.
+    """Offload each checkpointed layer's input to pinned host memory for its recompute(s).
     Call after `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
     False})`. Idempotent; returns the number of layers offloaded."""
     from transformers.modeling_layers import GradientCheckpointingLayer

@@ -80,3 +80,39 @@ def test_helpers_are_idempotent():
     enable_checkpoint_offload(model)
     assert [layer._gradient_checkpointing_func for layer in model.model.layers] == first
     assert len({id(f) for f in first}) == 1 and isinstance(first[0], CheckpointOffload)
+
+
+def second_backward_case(rank, world_size, group):
+    """Two backwards through one offloaded graph (retain_graph=True, then the last): each adds the
+    reference gradient once more, and the last one frees the host copies."""
+    import gc
+    import weakref
+
+    ref, model = build_models("llama")
+    docs, batch = make_pack("span_all", world_size)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpoint_offload(model)
+    offload = model.model.layers[0]._gradient_checkpointing_func
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(attn_backend="dense"))
+    with train_ctx():
+        loss = model(**local).loss
+        loss.backward(retain_graph=True)
+        first = compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
+        entries = [weakref.ref(e()) for e in offload.entries if e() is not None]
+        loss.backward()
+    for p in model.parameters():
+        p.grad /= 2  # two backwards: twice the gradient
+    second = compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
+    gc.collect()
+    return first, second, len(entries), sum(e() is not None for e in entries)
+
+
+def test_offload_survives_a_second_backward(gloo):
+    layers = tiny_model().config.num_hidden_layers
+    for rank, (first, second, offloaded, alive) in enumerate(gloo(2).run(second_backward_case)):
+        for name, errors in (("first backward", first), ("both backwards / 2", second)):
+            worst = max(errors, key=errors.get)
+            assert errors[worst] <= TOL, f"rank {rank} {name}: {worst} relative error {errors[worst]:.2e}"
+        assert offloaded == layers, f"rank {rank}: {offloaded} offloaded inputs, expected one per layer ({layers})"
+        assert alive == 0, f"rank {rank}: {alive} host copies outlive the graph's last backward"
