@@ -285,8 +285,8 @@ def train(args) -> dict:
     setup = init_distributed(args.cp_size)
     place, device = setup.coords, setup.device
     micro_steps = args.packs_per_step // place.dp_size
-    mesh = build_dp_cp_mesh(place, device.type)
-    cp_mesh = None if mesh is None else mesh.cp
+    mesh = build_dp_cp_mesh(place, device.type)  # one process: a mesh of one
+    cp_mesh = mesh.cp
     config = cp_config(args)
 
     dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args)

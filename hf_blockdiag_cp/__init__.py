@@ -27,12 +27,14 @@ from .step import (
     shard_batch,
 )
 
-from .attention.model_check import register_model_check as _register_model_check
 from .model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_patches
 from .model_patches import check_attention_module as _check_attention_module
+from .step.model_support import ModelSupport as _ModelSupport
+from .step.model_support import register_model_support as _register_model_support
 
 _register()
-_register_model_check(_check_attention_module)  # attention asks the model patches through this hook
+# The step and attention reach the model patches (a layer above them) through this hook.
+_register_model_support(_ModelSupport(prepare=apply_model_patches, check=_check_attention_module))
 
 __version__ = "0.1.0"
 

@@ -2,16 +2,20 @@
 
 A patch exists for a model family that trains wrongly under `blockdiag_cp` through the
 attention interface alone (see each family module for why). `apply_model_patches(model)`
-is the enabling call: run it once after loading the model (the Trainer / accelerate
-integrations should call it when they prepare a model). It is idempotent.
+installs what a model needs, idempotently, and logs each patch it applies once (INFO, the
+`hf_blockdiag_cp` loggers). The library calls it wherever it sees the model: the shard step's
+`model=` (`make_cp_blockdiag_batch_and_ctx`, through `step.model_support`), accelerate's
+`wrap_model`, the Trainer and the TRL trainer; a user may call it too.
 
-Nothing is left to memory: at the first attention call of every CP step the runtime calls
-`check_attention_module`, which raises if the model type is known to bypass the interface
-(SSM / linear-attention hybrids, see `unsupported`) or needs a patch that was not applied.
+Nothing is left to memory: the step refuses a model type known to bypass the interface
+(SSM / linear-attention hybrids, see `unsupported`) before its first collective, and at the first
+attention call of every CP step `check_attention_module` raises for such a type or for a model
+that needs a patch nobody applied (a model the step was not given).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +25,7 @@ from .unsupported import UNSUPPORTED_MODEL_TYPES
 
 # Set on every submodule of a patched model: the names of the patches applied to it.
 PATCHED_ATTR = "_blockdiag_cp_patches"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,18 +93,22 @@ def patches_for(config) -> list[ModelPatch]:
 
 
 def apply_model_patches(model: torch.nn.Module) -> tuple[str, ...]:
-    """Install every patch `model` needs (idempotent) and return their names.
+    """Install every patch `model` needs (idempotent) and return their names; log each one applied.
 
-    Raises NotImplementedError for model types known to bypass the attention interface.
+    Raises NotImplementedError for model types known to bypass the attention interface. When
+    nothing is missing it touches nothing (the shard step calls it every step).
     """
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"apply_model_patches needs a Transformers model with a .config; got {type(model).__name__}")
     applied = set(getattr(model, PATCHED_ATTR, ()))
-    for patch in patches_for(config):
-        if patch.name not in applied:
-            patch.apply(model)
-            applied.add(patch.name)
+    missing = [patch for patch in patches_for(config) if patch.name not in applied]
+    if not missing and hasattr(model, PATCHED_ATTR):
+        return tuple(sorted(applied))
+    for patch in missing:
+        patch.apply(model)
+        applied.add(patch.name)
+        logger.info("blockdiag_cp: applied the model patch %r to %s (%s)", patch.name, type(model).__name__, patch.why)
     names = frozenset(applied)
     for module in model.modules():
         object.__setattr__(module, PATCHED_ATTR, names)

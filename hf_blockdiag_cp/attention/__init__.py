@@ -1,7 +1,7 @@
 """Attention entry points: the function registered as `"blockdiag_cp"` in Transformers'
 AttentionInterface and the SDPA drop-in (`entry`), the cp = 1 hooks for modules that call
-`F.scaled_dot_product_attention` themselves (`sdpa_hooks`), and the model-support hook
-(`model_check`)."""
+`F.scaled_dot_product_attention` themselves (`sdpa_hooks`). Each attention call of a step asks
+the model patches whether its model can train (`step.model_support`)."""
 
 from .entry import (
     AttentionFeatures,
@@ -11,7 +11,6 @@ from .entry import (
     local_attention,
     split_attention,
 )
-from .model_check import register_model_check
 from .sdpa_hooks import (
     Cp1PackedHooks,
     attach_cp1_packed_varlen_hooks,
@@ -31,6 +30,5 @@ __all__ = [
     "disable_cp1_packed_varlen",
     "enable_cp1_packed_varlen",
     "local_attention",
-    "register_model_check",
     "split_attention",
 ]

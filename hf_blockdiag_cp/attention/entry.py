@@ -20,8 +20,8 @@ from ..comm.exchange import exchange_kv
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
 from ..planning import get_exchange
+from ..step.model_support import check_model_support
 from ..step.state import STEP_KWARG, CPStep, StepPart, active_step
-from .model_check import check_model_support
 
 # Keyword arguments a model may send that change the attention function and that no kernel
 # implements; accepting them silently would train a wrong model (I7).

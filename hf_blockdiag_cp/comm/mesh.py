@@ -10,6 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def world_size_error(world_size: int, cp_size: int, command: str | None = None) -> str | None:
+    """Why `world_size` processes cannot form CP groups of `cp_size`, or None. `command`: the launch
+    command to suggest when the launcher started fewer processes than one CP group needs."""
+    if world_size % cp_size == 0:
+        return None
+    if world_size < cp_size:
+        command = command or f"torchrun --standalone --nproc-per-node {cp_size} <your script>"
+        return (
+            f"world size {world_size} is not divisible by cp_size={cp_size}: the launcher started fewer processes "
+            f"({world_size}) than the CP size. Start {cp_size} processes per CP group, e.g. `{command}`, or use "
+            "cp_size=1 in a single process"
+        )
+    return (
+        f"world size {world_size} is not divisible by cp_size={cp_size}: every CP group needs cp_size processes "
+        f"(launch a multiple of {cp_size} processes or change cp_size)"
+    )
+
+
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
@@ -26,8 +44,9 @@ class DPCPCoordinates:
     def __post_init__(self):
         _positive_int("world_size", self.world_size)
         _positive_int("cp_size", self.cp_size)
-        if self.world_size % self.cp_size:
-            raise ValueError(f"world_size={self.world_size} must be divisible by cp_size={self.cp_size}")
+        reason = world_size_error(self.world_size, self.cp_size)
+        if reason is not None:
+            raise ValueError(reason)
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={self.world_size}); got {self.rank!r}")
 
@@ -71,13 +90,18 @@ class DPCPMesh:
         return self.mesh["dp"]
 
 
-def build_dp_cp_mesh(coords: DPCPCoordinates, device_type: str) -> DPCPMesh | None:
+def build_dp_cp_mesh(coords: DPCPCoordinates, device_type: str) -> DPCPMesh:
     """`init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))` plus its flattened
-    `"dp_cp"` mesh; None for a world of one process. Raises if the mesh places this rank elsewhere
-    than `coords` (every other part of the library assumes CP fastest-varying)."""
-    if coords.world_size == 1:
-        return None
+    `"dp_cp"` mesh. A world of one process gets a mesh of size 1 (a CP group of one: the step runs
+    unsharded), over a one-process group this call starts when none exists, so `python train.py`
+    and a launcher run the same code. Raises if the mesh places this rank elsewhere than `coords`
+    (every other part of the library assumes CP fastest-varying)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    if coords.world_size == 1 and not dist.is_initialized():
+        # No launcher: a process group of this process alone (an in-memory store, no network).
+        dist.init_process_group("gloo" if device_type == "cpu" else None, store=dist.HashStore(), rank=0, world_size=1)
 
     mesh = init_device_mesh(device_type, (coords.dp_size, coords.cp_size), mesh_dim_names=("dp", "cp"))
     placed = (mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm.mesh import DPCPCoordinates, DPCPMesh
+from ..comm.mesh import DPCPCoordinates, DPCPMesh, world_size_error
+from ..model_patches import apply_model_patches
 
 _TRUE = ("1", "true", "yes", "on")
 # World-size variables of the launchers accelerate supports: torchrun's, then the MPI flavours'.
@@ -54,6 +55,11 @@ def launched_world_size() -> int:
     return 1
 
 
+def torchrun_command(processes: int | str, argv: Sequence[str]) -> str:
+    """The torchrun command line that starts `processes` copies of the script `argv` (`sys.argv`) on one host."""
+    return shlex.join(["torchrun", "--standalone", "--nproc-per-node", str(processes), *argv])
+
+
 def launch_error(argv: Sequence[str]) -> str | None:
     """Why this process cannot be one rank of the run the user asked for, or None.
 
@@ -66,7 +72,7 @@ def launch_error(argv: Sequence[str]) -> str | None:
         return None
     if any(name in os.environ for name in _WORLD_SIZE_VARS):
         return None
-    command = shlex.join(["torchrun", "--standalone", "--nproc-per-node", "N", *argv])
+    command = torchrun_command("N", argv)
     return (
         "accelerate launch started this script once although --num_processes > 1: without GPUs it starts "
         f"several processes only through MPI (--mpirun_hostfile). Run `{command}` instead (N: the number of processes)"
@@ -90,8 +96,10 @@ def init_distributed(cp_size: int | None = None, cpu: bool | None = None) -> Dis
 
     `cp_size=None` means every process is one CP rank (cp = world size, dp = 1). `cpu=None`
     follows `accelerate launch --cpu` (env `ACCELERATE_USE_CPU`) and falls back to CPU when
-    CUDA is missing. A world of one process starts no process group. Raises `launch_error`'s
-    reason when the launcher started fewer processes than asked for.
+    CUDA is missing. A world of one process starts no process group (`build_dp_cp_mesh` starts a
+    one-process group for its mesh). Raises `launch_error`'s reason when the launcher started fewer
+    processes than asked for, and a ValueError with the torchrun command to use when the world
+    is smaller than `cp_size` (e.g. `python train.py` with `cp_size=2`), before any process group.
     """
     from accelerate import PartialState
 
@@ -102,6 +110,10 @@ def init_distributed(cp_size: int | None = None, cpu: bool | None = None) -> Dis
         cpu = os.environ.get("ACCELERATE_USE_CPU", "").strip().lower() in _TRUE or not torch.cuda.is_available()
     state = PartialState(cpu=cpu)
     world_size = int(os.environ.get("WORLD_SIZE", state.num_processes))
+    if isinstance(cp_size, int) and not isinstance(cp_size, bool) and cp_size > 0:  # DPCPCoordinates names bad ones
+        reason = world_size_error(world_size, cp_size, torchrun_command(cp_size, sys.argv))
+        if reason is not None:
+            raise ValueError(reason)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("gloo" if cpu else "nccl")
     world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -122,10 +134,14 @@ def init_distributed(cp_size: int | None = None, cpu: bool | None = None) -> Dis
 def wrap_model(model: nn.Module, mesh: DPCPMesh | None, fsdp: bool = False) -> nn.Module:
     """DDP over all dp×cp ranks, or FSDP2 `fully_shard` (each decoder layer, then the root) over the flattened mesh.
 
-    Either way gradients are *averaged* over the dp×cp ranks. Build the optimizer after this
-    call (FSDP2 replaces parameters with DTensors). Without a mesh the model is returned as is.
+    First the model gets the model patches it needs (`apply_model_patches`; a model type the
+    library refuses raises NotImplementedError). Either way gradients are *averaged* over the
+    dp×cp ranks. Build the optimizer after this call (FSDP2 replaces parameters with DTensors).
+    Without a mesh, or with a mesh of one process, the model is returned as is (nothing to reduce).
     """
-    if mesh is None:
+    if getattr(model, "config", None) is not None:
+        apply_model_patches(model)
+    if mesh is None or mesh.dp_cp.size() == 1:
         return model
     flat = mesh.dp_cp
     if fsdp:

@@ -29,6 +29,7 @@ from ..planning import (
     plan_overlap,
     validate_rank_plan,
 )
+from .model_support import prepare_model
 from .shard import SHARD_KEY, PackFingerprint, shard_batch
 from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
 
@@ -147,7 +148,9 @@ def make_cp_blockdiag_batch_and_ctx(
     kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with.
     `tp_mesh` is accepted and unused: tensor parallelism splits heads, which block-diagonal CP
     leaves alone, so a TP group needs nothing from this step. `model` (optional, the model the
-    step runs) only lets errors name its attention implementation.
+    step runs, wrapped or not) gets the model patches it needs (`apply_model_patches`, once) and
+    lets errors name its attention implementation; a model type the library refuses raises its
+    NotImplementedError here, on every rank.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
     exchange choices) make every rank raise after one consensus all-reduce, never a hang.
@@ -162,6 +165,7 @@ def make_cp_blockdiag_batch_and_ctx(
     local = step = None
     agreement_values: dict[str, int] = {}
     try:
+        prepare_model(model)  # patches the model needs; a refused model type raises here, on every rank
         local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary)
         info = local[SHARD_KEY]
         exchange, exchange_plan = step_exchange(config, info.layout, cp.group)

@@ -26,6 +26,7 @@ import torch
 from ..comm.exchange import ExchangeMeter
 from ..kernels.lse import merge_into
 from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
+from .model_support import configured_model
 
 STEP_KWARG = "blockdiag_cp_step"
 ATTN_IMPLEMENTATION = "blockdiag_cp"  # the attention implementation that runs a step (registered by integrations)
@@ -321,10 +322,7 @@ class CPStep:
 
 def attn_implementation(model) -> Any:
     """`config._attn_implementation` of `model` (inside a DDP / compile wrapper), or None without a config."""
-    for attribute in ("module", "_orig_mod"):
-        if getattr(model, "config", None) is None and getattr(model, attribute, None) is not None:
-            model = getattr(model, attribute)
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return getattr(getattr(configured_model(model), "config", None), "_attn_implementation", None)
 
 
 def _no_attention_cause(model) -> str:

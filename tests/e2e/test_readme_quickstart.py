@@ -1,11 +1,11 @@
 """Every complete Python example of README.md (each ```python block is one) runs as written on CPU
 under `torchrun --standalone --nproc-per-node 2`, with only `"your/model"` replaced by a tiny local
-Llama saved with `save_pretrained`. Checks appended per section compare with an independent
-reference: the quick start's CP loss, averaged over the CP group, equals the stock eager model's
-token-weighted loss over each document of the pack alone; the Trainer example trains as one
-2-process run, and its sharded `evaluate()` equals the stock eager model with the trained weights
-on each document alone. A Trainer launched by torchrun on CPU without `use_cpu=True` stops with an
-error that names the fix."""
+Llama saved with `save_pretrained`; the quick start also as `python train.py`, one process (a CP
+group of one). Checks appended per section compare with an independent reference: the quick
+start's CP loss, averaged over the CP group, equals the stock eager model's token-weighted loss
+over each document of the pack alone; the Trainer example trains as one 2-process run, and its
+sharded `evaluate()` equals the stock eager model with the trained weights on each document alone.
+A Trainer launched by torchrun on CPU without `use_cpu=True` stops with an error that names the fix."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ CHECKS = {
     "Quick start": REFERENCE + '''
 import torch.distributed as dist
 
-assert cp_mesh.size() == 2, cp_mesh
+assert cp_mesh.size() == int(__import__("os").environ.get("WORLD_SIZE", "1")), cp_mesh  # cp = the processes
 cp_loss = loss.detach().clone()
 dist.all_reduce(cp_loss, group=cp_mesh.get_group())
 cp_loss = cp_loss.item() / cp_mesh.size()
@@ -82,9 +82,11 @@ def _tiny_model(path: Path) -> str:
     return str(path)
 
 
-def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
+def _torchrun(script: Path, cwd: Path, processes: int | None = 2) -> tuple[int, str]:
+    """Run `script` under torchrun with `processes` processes, or as `python script` (None)."""
+    launcher = [] if processes is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        [sys.executable, *launcher, str(script)],
         cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True, text=True,
         timeout=600,
     )
@@ -93,6 +95,16 @@ def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
 
 def test_readme_holds_the_checked_examples():
     assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
+def _example_script(tmp_path: Path, heading: str, code: str) -> Path:
+    """The example with the tiny model and its section's checks; each rank leaves a file when it finished
+    (printed lines of two ranks can interleave)."""
+    model = _tiny_model(tmp_path / "tiny")
+    done = f'open({str(tmp_path)!r} + "/done" + __import__("os").environ.get("RANK", "0"), "w").write("{DONE}")\n'
+    script = tmp_path / "example.py"
+    script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + done)
+    return script
+
+
 
 
 @pytest.mark.parametrize("heading, code", python_examples(), ids=[h for h, _ in python_examples()])
@@ -100,18 +112,22 @@ def test_readme_example_runs_under_torchrun_on_cpu(tmp_path, heading, code):
     if torch.cuda.is_available():
         pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
     assert '"your/model"' in code, f"the {heading} example loads no model to replace"
-    model = _tiny_model(tmp_path / "tiny")
-    # each rank leaves a file when the example finished (printed lines of two ranks can interleave)
-    done = f'open({str(tmp_path)!r} + "/done" + __import__("os").environ["RANK"], "w").write("{DONE}")\n'
-    script = tmp_path / "example.py"
-    script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + done)
-    rc, out = _torchrun(script, tmp_path)
+    rc, out = _torchrun(_example_script(tmp_path, heading, code), tmp_path)
     assert rc == 0, out[-3000:]
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1"], out[-3000:]
 
 
 def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
     """torchrun's 2 processes on a host without CUDA: without use_cpu=True transformers would run
+def test_quick_start_runs_as_one_process(tmp_path):
+    """`python train.py`: one process is a CP group of one, and the loss is the per-document reference's."""
+    if torch.cuda.is_available():
+        pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
+    rc, out = _torchrun(_example_script(tmp_path, "Quick start", dict(python_examples())["Quick start"]), tmp_path, None)
+    assert rc == 0, out[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"], out[-3000:]
+
+
     each process alone; the Trainer must stop on every rank and say to pass use_cpu=True."""
     if torch.cuda.is_available():
         pytest.skip("needs a host without CUDA")

@@ -34,7 +34,7 @@ def test_dp_cp_coordinates_cp_fastest(dp_size, cp_size):
 
 
 def test_dp_cp_coordinates_invalid_arguments_name_the_field():
-    with pytest.raises(ValueError, match="world_size=6 must be divisible by cp_size=4"):
+    with pytest.raises(ValueError, match="world size 6 is not divisible by cp_size=4"):
         DPCPCoordinates(6, 0, 4)
     with pytest.raises(ValueError, match=r"rank must be an integer in \[0, world_size=4\)"):
         DPCPCoordinates(4, 4, 2)

@@ -1,13 +1,15 @@
 """The pure parts of the main job (examples/train_packed.py): how a worker reads its launch from the
-environment (`launched_world_size`, `launch_error`) and the embedded corpus. The job itself, and
+environment (`launched_world_size`, `launch_error`, `init_distributed` in a world smaller than
+`cp_size`) and the embedded corpus. The job itself, and
 real launches by torchrun and accelerate, run end to end in e2e/test_train_example.py."""
 
 from __future__ import annotations
 
 import pytest
+import torch.distributed
 
 from hf_blockdiag_cp.data import corpus
-from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
+from hf_blockdiag_cp.integrations.accelerate import init_distributed, launch_error, launched_world_size
 
 _LAUNCH_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "ACCELERATE_USE_CPU", "MASTER_ADDR")
 
@@ -46,6 +48,19 @@ def test_launch_error_only_for_a_one_process_accelerate_launch(bare_env):
     assert "\n" not in reason
     bare_env.setenv("WORLD_SIZE", "2")
     assert launch_error(argv) is None  # a worker of torchrun (what accelerate launch runs on GPUs)
+
+
+def test_one_process_with_cp_size_2_names_the_launch(bare_env):
+    """`python train.py` with cp_size=2: the launcher started fewer processes than one CP group needs;
+    the error says so and gives the torchrun command of this script, before any process group."""
+    bare_env.setattr("sys.argv", ["train.py", "--steps", "2"])
+    with pytest.raises(ValueError) as info:
+        init_distributed(cp_size=2)
+    message = str(info.value)
+    assert "the launcher started fewer processes (1) than the CP size" in message, message
+    assert "`torchrun --standalone --nproc-per-node 2 train.py --steps 2`" in message, message
+    assert init_distributed(cp_size=1).coords.cp_size == 1  # one process, cp = 1: no error
+    assert not torch.distributed.is_initialized()  # and no process group (build_dp_cp_mesh starts one for its mesh)
 
 
 def test_corpus_is_lossless_deterministic_and_heavy_tailed():

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.consensus import collective_device
-from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh
+from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh, world_size_error
 from ...data.collator import BlockdiagCPCollator
 from ...data.packing import oversize_policy
 from ..accelerate import launched_world_size
@@ -83,11 +83,9 @@ def _configs(model) -> list:
 
 def check_model_setup(model, world_size: int, cp_size: int, activation_checkpointing_kwargs: dict | None) -> None:
     """Raise ValueError for a model or world that would train wrongly or hang under block-diagonal CP."""
-    if world_size % cp_size:
-        raise ValueError(
-            f"world size {world_size} is not divisible by cp_size={cp_size}: every CP group needs "
-            f"cp_size ranks (launch a multiple of {cp_size} processes or change cp_size)"
-        )
+    reason = world_size_error(world_size, cp_size)
+    if reason is not None:
+        raise ValueError(reason)
     configs = _configs(model)
     if not configs:
         raise ValueError(f"model ({type(model).__name__}) has no `config`; a Transformers PreTrainedModel is expected")
@@ -169,6 +167,15 @@ def check_launched_world(args) -> None:
         f"the launcher started {launched} processes (WORLD_SIZE={launched}), but TrainingArguments sees world size "
         f"{args.world_size}: each process would train alone. {fix}"
     )
+
+
+def check_world(args, cp_size: int) -> None:
+    """Raise ValueError if the launched processes cannot form CP groups of `cp_size` (the first thing a
+    user fixes: checked before the pack size, which must be a multiple of 2*cp_size)."""
+    check_launched_world(args)
+    reason = world_size_error(args.world_size, cp_size)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_trainer_setup(trainer, cp_size: int) -> None:

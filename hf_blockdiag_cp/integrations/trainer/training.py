@@ -41,6 +41,7 @@ from .setup import (
     PackingOptions,
     check_no_foreign_parallelism,
     check_trainer_setup,
+    check_world,
     resolve_cp_mesh,
     sum_over_world,
     world_group,
@@ -91,6 +92,8 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
             raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
         self._cp_config = cp_config
         self.cp_callback = BlockdiagCPCallback(cp_size)
+        if training_args is not None:  # the processes and the CP size first, the pack size after
+            check_world(training_args, cp_size)
         self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
         self.packing.validate(cp_size)
         super().__init__(*args, **kwargs)

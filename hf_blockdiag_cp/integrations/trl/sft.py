@@ -32,6 +32,7 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from ...config import CPConfig
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
+from ..trainer.setup import check_world
 from .metrics import token_metrics
 from .packs import prepacked_dataloader
 
@@ -48,6 +49,7 @@ def check_sft_config(args, cp_size: int) -> None:
         )
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size <= 0:
         raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
+    check_world(args, cp_size)  # the processes and the CP size before the pack size
     length = args.max_length
     if isinstance(length, bool) or not isinstance(length, int) or length <= 0 or length % (2 * cp_size):
         raise ValueError(
