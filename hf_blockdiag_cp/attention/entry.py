@@ -10,6 +10,7 @@ and the outputs back. Outside a step both entry points are exactly Transformers'
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,11 +18,14 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..comm.exchange import exchange_kv
+from ..comm.notice import warn_once
 from ..kernels import choose_kernel
 from ..kernels.dense import attention_with_features
 from ..planning import get_exchange
 from ..step.model_support import check_model_support
 from ..step.state import STEP_KWARG, CPStep, StepPart, active_step
+
+logger = logging.getLogger(__name__)
 
 # Keyword arguments a model may send that change the attention function and that no kernel
 # implements; accepting them silently would train a wrong model (I7).
@@ -240,6 +244,23 @@ class _GatherKeys(torch.autograd.Function):
         return out, None
 
 
+def _choose_kernel(requested: str, device, dtype, head_dim_k: int, head_dim_v: int, names, needs_lse: bool):
+    """`choose_kernel`; when the split by keys (`needs_lse`) makes `auto` take another kernel than it
+    takes for the same layer otherwise (one whose log-sum-exp is verified there, often the slow dense
+    one), a WARNING says so (once per run, rank 0)."""
+    kernel = choose_kernel(requested, device, dtype, head_dim_k, head_dim_v, names, needs_lse)
+    if needs_lse and requested == "auto":
+        usual = choose_kernel(requested, device, dtype, head_dim_k, head_dim_v, names)
+        if usual.name != kernel.name:
+            reason = usual.unsupported_reason(device, dtype, head_dim_k, head_dim_v, names, needs_lse=True)
+            warn_once(logger, ("overlap keys kernel", usual.name, kernel.name, dtype, head_dim_k, head_dim_v), (
+                f"blockdiag_cp: overlap='keys' runs the {kernel.name} kernel instead of {usual.name} for attention "
+                f"layers of head dims {head_dim_k}/{head_dim_v} in {dtype} ({reason}); overlap='queries' keeps "
+                f"{usual.name} (warned once)"
+            ))
+    return kernel
+
+
 def local_attention(
     step: CPStep,
     q,
@@ -260,7 +281,7 @@ def local_attention(
     names = features.names
     kernel = step.cached(
         ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
-        lambda: choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
+        lambda: _choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
     )
     target = step if part is None else part
     if kernel.takes_all_rows:

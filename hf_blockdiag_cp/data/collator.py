@@ -11,16 +11,31 @@ Choosing *which* documents form a pack is the sampler's job (`hf_blockdiag_cp.da
 
 from __future__ import annotations
 
-import warnings
+import itertools
+import logging
 from typing import Any, Sequence
 
 import torch
 
+from ..comm.notice import warn_once
 from ..config import CPConfig
 from ..step.shard import IGNORE_INDEX, shard_batch
-from .packing import OVERSIZE_POLICIES, oversize_policy
+from .packing import OVERSIZE_POLICIES, OversizeCount, oversize_policy
 
 __all__ = ["OVERSIZE_POLICIES", "BlockdiagCPCollator"]
+
+logger = logging.getLogger(__name__)
+_COLLATORS = itertools.count()  # each collator's own key for its split warning
+
+
+def warn_split_documents(count: OversizeCount, total: int, max_tokens: int) -> None:
+    """A WARNING (once per run for the same numbers, on rank 0) that `count` of `total` documents are
+    cut into pack-sized pieces (`oversize="split"`)."""
+    warn_once(logger, ("split documents", count, total, max_tokens), (
+        f"blockdiag_cp: {count.documents} of {total} documents ({count.tokens} tokens) are longer than "
+        f"max_tokens={max_tokens} and are split into pieces of at most {max_tokens} tokens; each piece is trained as "
+        "its own document (no attention across a cut). Pass oversize='raise' to refuse them instead, or raise max_tokens"
+    ))
 
 
 def _positive_int(name: str, value) -> int:
@@ -70,6 +85,7 @@ class BlockdiagCPCollator:
         cp_config: CPConfig | None = None,
     ):
         _positive_int("max_tokens", max_tokens)
+        self._split_notice = ("collator split", next(_COLLATORS))  # kept when pickled into DataLoader workers
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
         _positive_int("cp_size", cp_size)
@@ -82,7 +98,6 @@ class BlockdiagCPCollator:
         if cp_rank is not None and (isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size):
             raise ValueError(f"cp_rank must be None or an integer in [0, cp_size={cp_size}); got {cp_rank!r}")
         self.oversize = oversize_policy(oversize)
-        self._warned_split = False
         self.max_tokens = max_tokens
         self.pad_token_id = pad_token_id
         self.cp_config = cp_config
@@ -121,21 +136,17 @@ class BlockdiagCPCollator:
         return docs
 
     def _oversized(self, index: int, length: int) -> None:
-        """Raise (oversize="raise") or warn at this collator's first split (a sampler counts them all)."""
+        """Raise (oversize="raise") or warn at this collator's first split (rank 0; a sampler counts them all)."""
         if self.oversize == "raise":
             raise ValueError(
                 f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens} (oversize='raise'); "
                 "raise max_tokens, filter long documents out, or pass oversize='split'"
             )
-        if not self._warned_split:
-            self._warned_split = True
-            warnings.warn(
-                f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens}: it is split into "
-                "pieces, each trained as its own document (this collator warns once; PackedBatchSampler counts "
-                "every split document); pass oversize='raise' to refuse such documents",
-                UserWarning,
-                stacklevel=3,
-            )
+        warn_once(logger, self._split_notice, (
+            f"blockdiag_cp: examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens}: it is split "
+            "into pieces, each trained as its own document (warned once; PackedBatchSampler counts every split "
+            "document); pass oversize='raise' to refuse such documents"
+        ))
 
     def pack(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
         """The full pack (not sharded): tensors [1, max_tokens]."""

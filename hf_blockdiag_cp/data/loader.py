@@ -21,7 +21,7 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .collator import BlockdiagCPCollator
+from .collator import BlockdiagCPCollator, warn_split_documents
 from .packing import PackingStats, checked_length, count_oversized, first_fit_decreasing, oversize_policy
 
 
@@ -111,6 +111,8 @@ class PackedBatchSampler(Sampler[list[PackItem]]):
         oversize = oversize_policy(oversize)
         self.lengths = [checked_length(i, n) for i, n in enumerate(lengths)]
         self.oversized = count_oversized(self.lengths, max_tokens, oversize)  # raises for oversize="raise"
+        if self.oversized.documents:
+            warn_split_documents(self.oversized, len(self.lengths), max_tokens)
         self.max_tokens = max_tokens
         self.buffer_size = buffer_size
         self.shuffle = shuffle

@@ -6,9 +6,7 @@ every rank (and in tests, exhaustively).
 
 from __future__ import annotations
 
-import functools
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -101,8 +99,8 @@ class OversizeCount:
 
 
 def count_oversized(lengths: Sequence[int], max_tokens: int, policy: str) -> OversizeCount:
-    """How many of `lengths` exceed `max_tokens`. Policy "raise": ValueError naming the first one;
-    "split": a warning, once per process for the same numbers (see `warn_split_documents`)."""
+    """How many of `lengths` exceed `max_tokens` (policy "split": the sampler warns about them);
+    policy "raise": ValueError naming the first one."""
     long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
     if long and policy == "raise":
         index, length = long[0]
@@ -111,19 +109,4 @@ def count_oversized(lengths: Sequence[int], max_tokens: int, policy: str) -> Ove
             f"{len(long)} of {len(lengths)} documents are longer): raise max_tokens, filter long documents out, "
             "or pass oversize='split' to cut them into pack-sized pieces"
         )
-    count = OversizeCount(len(long), sum(n for _, n in long))
-    if count.documents:
-        warn_split_documents(count.documents, count.tokens, len(lengths), max_tokens)
-    return count
-
-
-@functools.cache
-def warn_split_documents(documents: int, tokens: int, total: int, max_tokens: int) -> None:
-    """Warn (once per process for the same numbers) that documents are cut into pack-sized pieces."""
-    warnings.warn(
-        f"{documents} of {total} documents ({tokens} tokens) are longer than max_tokens={max_tokens} and are split "
-        f"into pieces of at most {max_tokens} tokens; each piece is trained as its own document (no attention "
-        "across a cut). Pass oversize='raise' to refuse them instead, or raise max_tokens",
-        UserWarning,
-        stacklevel=4,  # the code that built the sampler
-    )
+    return OversizeCount(len(long), sum(n for _, n in long))

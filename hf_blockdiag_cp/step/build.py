@@ -10,6 +10,7 @@ step that every CP rank calls (`make_cp_blockdiag_batch_and_ctx`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..comm import agree, check_group_usable, group_spans_nodes, resolve_cp_group
+from ..comm.notice import warn_once
 from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
@@ -32,6 +34,8 @@ from ..planning import (
 from .model_support import prepare_model
 from .shard import SHARD_KEY, PackFingerprint, shard_batch
 from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
+
+logger = logging.getLogger(__name__)
 
 
 def build_step(
@@ -112,6 +116,17 @@ def step_exchange(config: CPConfig, layout: Layout, group) -> tuple[str, Exchang
     plan = plan_exchange(layout)
     cross_node_ok = requested != "auto" or config.allow_cross_node_a2a or not group_spans_nodes(group)
     return choose_exchange(requested, plan, cross_node_ok), plan
+
+
+def warn_exchange_fallback(requested: str, ran: str, plan: ExchangePlan | None) -> None:
+    """A WARNING (once per run, rank 0) when a named exchange could not serve a pack and its fallback ran."""
+    if requested in ("auto", ran):
+        return
+    warn_once(logger, ("kv_exchange fallback", requested, ran), (
+        f"blockdiag_cp: kv_exchange={requested!r} cannot serve some packs of this run "
+        f"({get_exchange(requested).reason(plan)}); those steps run {ran!r} instead, which moves the same keys "
+        "(warned once; what each step ran is logged at INFO)"
+    ))
 
 
 def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id, shard_primary) -> dict:
@@ -198,6 +213,7 @@ def make_cp_blockdiag_batch_and_ctx(
             f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
             "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
         )
+    warn_exchange_fallback(config.kv_exchange, exchange, exchange_plan)
     layout = local.pop(SHARD_KEY).layout
     if step.attn_backend != "auto":
         prepare = get_kernel(step.attn_backend).prepare

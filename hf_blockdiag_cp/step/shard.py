@@ -9,7 +9,6 @@ slices every sequence-aligned tensor to the rank's rows. The result carries a `S
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from ..comm.consensus import checksum
+from ..comm.notice import warn_once
 from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
@@ -79,12 +79,15 @@ def _primary(batch: dict) -> tuple[str, torch.Tensor]:
     return key, t
 
 
-@functools.cache
+ONE_DOCUMENT_NOTICE = "one document"  # the `warn_once` key of a row without boundaries
+
+
 def _say_single_document_once() -> None:
-    logger.info(
+    warn_once(logger, ONE_DOCUMENT_NOTICE, (
         "blockdiag_cp: a row without document_ids, position_ids or cu_seq_lens_q is treated as ONE document; "
-        "a packed row that lost its boundaries looks the same, so pass position_ids or document_ids for packs"
-    )
+        "a packed row that lost its boundaries looks the same (its documents attend to each other), so pass "
+        "position_ids or document_ids for packs (warned once)"
+    ))
 
 
 def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:

@@ -60,14 +60,15 @@ def test_padding_at_the_end_is_accepted():
 
 
 def test_row_without_boundaries_is_one_document_and_says_so(caplog):
-    from hf_blockdiag_cp.step import shard
+    from hf_blockdiag_cp.comm.notice import forget
+    from hf_blockdiag_cp.step.shard import ONE_DOCUMENT_NOTICE
 
-    shard._say_single_document_once.cache_clear()  # the message is given once per process
+    forget(ONE_DOCUMENT_NOTICE)  # the message is given once per process
     with caplog.at_level(logging.INFO, logger="hf_blockdiag_cp.step.shard"):
         local = bdcp.shard_batch(_batch({}), 1, 0)
     assert local["document_ids"].tolist() == [[1] * 8]
     assert int(local["num_items_in_batch"]) == 7
-    assert any("treated as ONE document" in r.getMessage() for r in caplog.records)
+    assert [r.levelno for r in caplog.records if "treated as ONE document" in r.getMessage()] == [logging.WARNING]
 
 
 def malformed_case(rank, world_size, group, name):

@@ -4,6 +4,7 @@ sharded outputs reassemble the full pack, and the collator works in DataLoader w
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections import Counter
 
@@ -145,14 +146,16 @@ def test_exactly_full_pack_has_no_padding_and_empty_documents_are_skipped():
     assert pack["document_ids"].tolist() == [[1, 1, 1, 1, 1, 2, 2, 2]]
 
 
-def test_oversize_split_and_raise():
+def test_oversize_split_and_raise(caplog):
     long_doc = {"input_ids": list(range(1, 21))}
     for spelling in ("raise", "reject"):  # "reject": the earlier spelling
         with pytest.raises(ValueError, match=r"examples\[1\] has 20 tokens, more than max_tokens=8 \(oversize='raise'\)"):
             BlockdiagCPCollator(8, oversize=spelling)([{"input_ids": [1]}, long_doc])
     splitter = BlockdiagCPCollator(8, oversize="split")
-    with pytest.warns(UserWarning, match=r"examples\[0\] has 20 tokens, more than max_tokens=8: it is split"):
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiag_cp"):
         pieces = splitter.documents([long_doc])
+    assert [r.levelno for r in caplog.records if "examples[0] has 20 tokens, more than max_tokens=8: it is split" in
+            r.getMessage()] == [logging.WARNING], caplog.text
     assert [p[0].tolist() for p in pieces] == [list(range(1, 9)), list(range(9, 17)), list(range(17, 21))]
     with pytest.raises(ValueError, match=r"hold 20 tokens, more than max_tokens=8.*PackedBatchSampler"):
         splitter([long_doc])
@@ -167,25 +170,27 @@ def test_oversize_split_and_raise():
         PackedBatchSampler([20, 3, 9], 8, oversize="raise")
 
 
-def test_the_collator_warns_at_its_first_split_only():
+def test_the_collator_warns_at_its_first_split_only(caplog):
     collator = BlockdiagCPCollator(8)
-    with pytest.warns(UserWarning) as caught:
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiag_cp"):
         collator.documents([{"input_ids": list(range(1, 12))}])
         collator.documents([{"input_ids": list(range(1, 30))}, {"input_ids": list(range(1, 10))}])
-    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert len([r for r in caplog.records if "it is split" in r.getMessage()]) == 1, caplog.text
 
 
-def test_split_documents_warn_once_per_run_with_their_count_and_tokens(recwarn):
+def test_split_documents_warn_once_per_run_with_their_count_and_tokens(caplog):
     """Lengths used by no other test, so this process has not warned about them yet."""
     lengths = [5, 41, 17, 16, 17, 3, 90]
     over = [n for n in lengths if n > 16]
-    sampler = PackedBatchSampler(lengths, 16, seed=1)
-    again = PackedBatchSampler(lengths, 16, seed=2)  # e.g. a second dataloader over the same data
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        list(sampler)
-    messages = [str(w.message) for w in recwarn.list if issubclass(w.category, UserWarning)]
-    expected = f"{len(over)} of {len(lengths)} documents ({sum(over)} tokens) are longer than max_tokens=16 and are split"
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiag_cp"):
+        sampler = PackedBatchSampler(lengths, 16, seed=1)
+        again = PackedBatchSampler(lengths, 16, seed=2)  # e.g. a second dataloader over the same data
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            list(sampler)
+    messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    expected = (f"blockdiag_cp: {len(over)} of {len(lengths)} documents ({sum(over)} tokens) are longer than "
+                "max_tokens=16 and are split")
     assert [m for m in messages if "max_tokens=16" in m] == [m for m in messages if m.startswith(expected)], messages
     assert len([m for m in messages if m.startswith(expected)]) == 1, messages
     assert (sampler.oversized.documents, sampler.oversized.tokens) == (again.oversized.documents, again.oversized.tokens)
