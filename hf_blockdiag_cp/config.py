@@ -14,8 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from .comm import exchanges as _exchanges  # noqa: F401  (registers the exchange records)
-from .kernels import canonical_kernel_name, get_kernel, kernel_names
+from .kernels import canonical_kernel_name, canonical_mixer_backend, get_kernel, kernel_names
 from .planning import DEFAULT_TOLERANCE, KernelCost, canonical_exchange_name, exchange_records, get_exchange, layout_strategies
+from .planning.mixer_plan import MIXER_TRANSPORTS
 
 
 def normalize_backend(name: str) -> str:
@@ -53,6 +54,12 @@ class CPConfig:
       other ranks' keys, merged by log-sum-exp (kernels that `returns_lse`: fa4, dense; layers with
       a sliding window attend in order). False: in order. Exact in every mode; the K/V exchanges
       (`allgather`, `halo`, `a2a`: records with `begin`) can overlap, `heads` cannot and is refused.
+    mixer_backend: the kernels of recurrent token mixers (hybrid models' gated delta rule and short
+      convolution; `kernels.mixer_registry`): `auto` (fla where it was verified, else torch), `torch`
+      or `fla` (refused where not verified).
+    mixer_transport: how those mixers cross the CP group: `heads` (head-parallel all-to-all; needs
+      the heads divisible by G), `states` (state passing, any G) or `auto` (per step and layer, the
+      cheaper by `planning.mixer_plan.MixerCost`).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -64,10 +71,17 @@ class CPConfig:
     allow_cross_node_a2a: bool = False
     kernel_cost: KernelCost | None = None
     overlap: bool | str = False
+    mixer_backend: str = "auto"
+    mixer_transport: str = "auto"
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
         set_(self, "attn_backend", normalize_backend(self.attn_backend))
+        set_(self, "mixer_backend", canonical_mixer_backend(self.mixer_backend))
+        if self.mixer_transport not in ("auto", *MIXER_TRANSPORTS):
+            raise ValueError(
+                f"mixer_transport={self.mixer_transport!r} is not supported; accepted values: auto, {', '.join(MIXER_TRANSPORTS)}"
+            )
         set_(self, "kv_exchange", normalize_exchange(self.kv_exchange))
         if self.layout not in layout_strategies():
             raise ValueError(f"layout={self.layout!r} is not supported; accepted values: {', '.join(layout_strategies())}")
@@ -117,6 +131,8 @@ def configure_cp(
     balance_tolerance: float = DEFAULT_TOLERANCE,
     kernel_cost: KernelCost | None = None,
     overlap: bool | str = False,
+    mixer_backend: str = "auto",
+    mixer_transport: str = "auto",
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.
@@ -125,7 +141,8 @@ def configure_cp(
     Calling it with no arguments restores the defaults.
     """
     global _DEFAULT
-    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost, overlap)
+    _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost, overlap,
+                        mixer_backend, mixer_transport)
     return _DEFAULT
 
 

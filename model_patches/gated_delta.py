@@ -4,16 +4,11 @@ Why: these models mix softmax attention (through the attention interface) with
 `*GatedDeltaNet` linear-attention layers that do not. On a packed row Transformers runs their
 short causal convolution and their chunked gated delta rule across document boundaries, and
 under CP each rank would see only its shard. The patch replaces each GatedDeltaNet
-instance's `forward` (its parameters unchanged) with one that restarts both at every document
-of the pack, so outputs, loss and gradients equal the stock model run on each document alone.
-
-Under CP (G > 1) it runs head-parallel: one all-to-all (`comm.head_shards`) gives every rank the
-whole pack, in pack order, for Hk/G key heads and their value heads (pre-convolution q, k, v
-channels and the a, b gate inputs); the rank convolves with its rows of the depthwise kernel
-and runs the delta rule over every document; a second all-to-all returns [local rows, all
-heads], and the gated norm and output projection run locally. Each rank's A_log, dt_bias and
-kernel rows get the gradient of every rank's loss for its heads only, so the mean over the
-group is the non-CP gradient (I2), as for K/V exchanges. Needs Hk % G == 0.
+instance's `forward` (its parameters unchanged) with one that projects as the stock forward
+does, then runs the token mixer of `hf_blockdiag_cp.mixers` (convolution and delta rule
+restarted at every document; under CP head-parallel or by state passing, whichever the step
+chooses; torch or fla kernels), then the gated norm and output projection. Outputs, loss and
+gradients equal the stock model run on each document alone.
 
 Outside a CP step the layer is stock, unless the caller passes `cu_seq_lens_q` (a packed row
 without CP), which is then honoured. A cache holding earlier state (generation) always runs
@@ -22,27 +17,17 @@ the stock forward; a fresh cache is left unwritten by the packed path.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import inspect
 import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
-from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
+from hf_blockdiag_cp.mixers import GatedDeltaLayer, MixerContext, gated_delta_mix
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-from .gated_delta_kernels import (
-    PackDocs,
-    causal_conv_per_doc,
-    delta_rule_per_doc,
-    docs_from_cu_seqlens,
-    docs_from_layout,
-    fla_conv,
-    fla_delta_rule,
-    fla_refusal,
-)
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
@@ -69,7 +54,14 @@ def _torch_rule(module):
     return inspect.unwrap(rule)
 
 
-# --------------------------------------------------------------------------- projections per family
+def mixer_layer(module) -> GatedDeltaLayer:
+    """What the token mixer reads of a GatedDeltaNet module (its parameters, not copies)."""
+    return GatedDeltaLayer(
+        name=f"{type(module).__name__} (layer {module.layer_idx})", key_heads=module.num_k_heads,
+        key_dim=module.head_k_dim, value_heads=module.num_v_heads, value_dim=module.head_v_dim,
+        conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=module.activation,
+        A_log=module.A_log, dt_bias=module.dt_bias, torch_rule=_torch_rule(module),
+    )
 
 
 def _project(module, hidden: torch.Tensor):
@@ -86,80 +78,6 @@ def _project(module, hidden: torch.Tensor):
     return mixed[0], z[0], b[0], a[0]
 
 
-def _check_heads(module, world_size: int) -> None:
-    if module.num_k_heads % world_size or module.num_v_heads % world_size:
-        raise ValueError(
-            f"blockdiag_cp: {type(module).__name__} (layer {module.layer_idx}) has linear_num_key_heads="
-            f"{module.num_k_heads} and linear_num_value_heads={module.num_v_heads}; head-parallel CP needs both "
-            f"divisible by the CP size G={world_size}. Choose a CP size that divides {module.num_k_heads}"
-        )
-
-
-def _owned_channels(module, world_size: int, rank: int, device) -> torch.Tensor:
-    """Convolution channels (q, k, v rows of the depthwise kernel) of head group `rank`."""
-    kq = module.key_dim // world_size
-    vq = module.value_dim // world_size
-    return torch.cat([
-        torch.arange(rank * kq, (rank + 1) * kq),
-        module.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
-        2 * module.key_dim + torch.arange(rank * vq, (rank + 1) * vq),
-    ]).to(device)
-
-
-def _to_head_groups(module, mixed, b, a, world_size: int) -> torch.Tensor:
-    """`[L, G, c]`: for each head group, its q, k, v channels and its b, a columns."""
-    rows = mixed.shape[0]
-    q, k, v = mixed.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    return torch.cat([t.reshape(rows, world_size, -1) for t in (q, k, v, b.to(mixed.dtype), a.to(mixed.dtype))], dim=-1)
-
-
-# --------------------------------------------------------------------------- the token mixer
-
-
-def _kernels(module, x: torch.Tensor):
-    """(convolution, delta rule), both per document: fla's where verified, else the torch reference."""
-    if fla_refusal(x) is None:
-        return fla_conv, fla_delta_rule
-    return causal_conv_per_doc, functools.partial(delta_rule_per_doc, _torch_rule(module))
-
-
-def _mix_heads(module, mixed, b, a, docs: PackDocs, world_size: int, rank: int) -> torch.Tensor:
-    """Convolution and delta rule of head group `rank` over rows in pack order -> `[S, Hv/G, Dv]`."""
-    hk, hv = module.num_k_heads // world_size, module.num_v_heads // world_size
-    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
-    if world_size > 1:
-        channels = _owned_channels(module, world_size, rank, mixed.device)
-        weight = weight.index_select(0, channels)
-        bias = None if bias is None else bias.index_select(0, channels)
-    conv, rule = _kernels(module, mixed)
-    mixed = conv(mixed, weight, bias, module.activation, docs)
-    rows = mixed.shape[0]
-    q, k, v = mixed.split([hk * module.head_k_dim, hk * module.head_k_dim, hv * module.head_v_dim], dim=-1)
-    q, k = q.reshape(rows, hk, module.head_k_dim), k.reshape(rows, hk, module.head_k_dim)
-    v = v.reshape(rows, hv, module.head_v_dim)
-    heads = slice(rank * hv, (rank + 1) * hv)
-    beta = b.sigmoid()
-    g = -module.A_log[heads].float().exp() * F.softplus(a.float() + module.dt_bias[heads])
-    return rule(q, k, v, g, beta, docs)
-
-
-def token_mixer(module, mixed, b, a, docs: PackDocs, group, world_size: int, rank: int) -> torch.Tensor:
-    """This rank's rows of the gated delta rule over the whole pack -> `[L, Hv, Dv]`."""
-    if world_size == 1:
-        if docs.to_pack is not None:
-            raise AssertionError("a single rank holds the pack in order")
-        return _mix_heads(module, mixed, b, a, docs, 1, 0)
-    _check_heads(module, world_size)
-    rows = mixed.shape[0]
-    gathered = seq_to_heads(_to_head_groups(module, mixed, b, a, world_size), group, world_size, docs.to_pack)
-    hk, hv = module.num_k_heads // world_size, module.num_v_heads // world_size
-    conv_width = 2 * hk * module.head_k_dim + hv * module.head_v_dim
-    mixed_h, b_h, a_h = gathered.split([conv_width, hv, hv], dim=-1)
-    out = _mix_heads(module, mixed_h, b_h, a_h, docs, world_size, rank)
-    out = heads_to_seq(out.reshape(out.shape[0], -1), group, world_size, docs.to_slots)
-    return out.reshape(rows, module.num_v_heads, module.head_v_dim)
-
-
 # --------------------------------------------------------------------------- the patched forward
 
 
@@ -170,24 +88,22 @@ def _has_previous_state(module, cache) -> bool:
     return bool(state(module.layer_idx) if callable(state) else state)
 
 
-def _docs(module, step, kwargs, rows: int, device) -> PackDocs:
+def _context(module, step, kwargs, rows: int) -> MixerContext:
     if step is None:
-        return docs_from_cu_seqlens(kwargs["cu_seq_lens_q"], rows, device)
+        return MixerContext.from_runs(MixerRuns.documents(kwargs["cu_seq_lens_q"], rows))
     if rows != step.local_len:
         raise ValueError(
             f"blockdiag_cp: {type(module).__name__} got {rows} rows in a CP step whose shards hold {step.local_len}; "
             "feed the local batch returned by make_cp_blockdiag_batch_and_ctx"
         )
-    return step.cached(("gated_delta_docs", str(device)), lambda: docs_from_layout(step.layout, device))
+    return MixerContext.from_step(step)
 
 
 @torch.compiler.disable
 def _mix_documents(module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
     """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
-    pack's document list and the step stay out of compiled graphs (no recompile per pack)."""
-    docs = _docs(module, step, kwargs, rows, mixed.device)
-    group, world_size, rank = (None, 1, 0) if step is None else (step.group, step.world_size, step.rank)
-    return token_mixer(module, mixed, b, a, docs, group, world_size, rank)
+    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
+    return gated_delta_mix(mixer_layer(module), mixed, b, a, _context(module, step, kwargs, rows))
 
 
 def packed_forward(self, hidden_states, *args, **kwargs):
@@ -214,6 +130,24 @@ def packed_forward(self, hidden_states, *args, **kwargs):
     core = _mix_documents(self, step, kwargs, rows, mixed, b, a)
     core = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return self.out_proj(core.reshape(1, rows, -1))
+
+
+@contextlib.contextmanager
+def stock_torch_kernels(model: torch.nn.Module):
+    """Run the stock (unpatched) model's gated delta-rule layers on Transformers' own torch
+    convolution and chunked delta rule even where flash-linear-attention or causal-conv1d is
+    installed (Transformers swaps those in at import): a stock baseline or reference then uses
+    the same kernels as the patch's torch path. No-op for a model without such layers."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+    names = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
+    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
+    for mod, name, fn in saved:
+        setattr(mod, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 # --------------------------------------------------------------------------- installing it

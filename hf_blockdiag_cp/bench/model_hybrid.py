@@ -24,7 +24,7 @@ import torch
 from ..integrations.compile import compile_model
 from ..integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from ..model_patches import apply_model_patches, patches_for
-from ..model_patches.gated_delta_kernels import stock_torch_kernels
+from ..model_patches.gated_delta import stock_torch_kernels
 
 CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,

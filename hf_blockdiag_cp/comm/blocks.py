@@ -96,3 +96,25 @@ def all_gather_blocks(x: torch.Tensor, group, world_size: int, meter: ExchangeMe
     if world_size == 1:
         return x[None]
     return _AllGather.apply(x, group, world_size, meter)
+
+
+class _After(torch.autograd.Function):
+    """`x` unchanged; in backward, zero gradients for `deps` too, so their own backward (a collective)
+    runs on every rank and only after `x`'s has."""
+
+    @staticmethod
+    def forward(ctx, x, *deps):
+        ctx.shapes = [(d.shape, d.dtype, d.device) for d in deps]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + tuple(torch.zeros(s, dtype=t, device=d) for s, t, d in ctx.shapes)
+
+
+def after(x: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
+    """`x`, made to depend on `deps` in autograd: the backward of every dep (e.g. an earlier collective
+    of the same layer) runs after `x`'s, on every rank, whether or not this rank's result used it (I5)."""
+    if not torch.is_grad_enabled() or not any(d.requires_grad for d in deps):
+        return x
+    return _After.apply(x, *deps)

@@ -5,9 +5,22 @@ with a block mask built once per step), `varlen` (torch varlen, FlashAttention u
 `fa4` (FlashAttention-4, the `[fa4]` extra), and the experimental `flash` (flash-attn) and
 `te` (Transformer Engine). Adding a kernel is
 one module that registers its record, plus its tests.
+
+Recurrent token mixers have their own records (`mixer_registry.MixerKernelRecord`): the gated
+delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla.
 """
 
-from . import dense, fa4, flash, flex, te, varlen  # noqa: F401  (each registers its record)
+from . import delta_rule, dense, fa4, flash, flex, short_conv, te, varlen  # noqa: F401  (each registers its record)
+from .mixer_registry import (
+    MIXER_OPS,
+    MixerDims,
+    MixerKernelRecord,
+    RunTable,
+    canonical_mixer_backend,
+    choose_mixer_kernel,
+    mixer_kernel_names,
+    register_mixer_kernel,
+)
 from .registry import (
     FEATURES,
     KernelRecord,
@@ -23,13 +36,21 @@ from .registry import (
 
 __all__ = [
     "FEATURES",
+    "MIXER_OPS",
     "KernelRecord",
+    "MixerDims",
+    "MixerKernelRecord",
+    "RunTable",
     "auto_order",
     "calibrated_cost",
     "canonical_kernel_name",
     "choose_kernel",
     "get_kernel",
+    "canonical_mixer_backend",
+    "choose_mixer_kernel",
     "kernel_names",
+    "mixer_kernel_names",
     "register_kernel",
+    "register_mixer_kernel",
     "unsupported_reason",
 ]

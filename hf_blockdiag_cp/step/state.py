@@ -271,6 +271,8 @@ class CPStep:
     model: Any = field(default=None, repr=False)  # the model the user named (error messages only)
     overlap: StepOverlap | None = None  # the split when the exchange overlaps attention (CPConfig.overlap)
     overlapped_queries: int = 0  # query rows attended while an exchange was in flight, this step (recompute included)
+    mixer_backend: str = "auto"  # kernels of recurrent token mixers (CPConfig.mixer_backend)
+    mixer_transport: str = "auto"  # how they cross the group (CPConfig.mixer_transport)
 
     @contextlib.contextmanager
     def activate(self):

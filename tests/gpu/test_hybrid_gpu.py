@@ -21,7 +21,7 @@ import torch
 import transformers
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.model_patches.gated_delta_kernels import stock_torch_kernels
+from hf_blockdiag_cp.model_patches.gated_delta import stock_torch_kernels
 from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
 from helpers.bf16_parity import GRAD_FACTOR, assert_bf16, bf16_errors, cp_loss_and_grads
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair

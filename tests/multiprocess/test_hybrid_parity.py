@@ -1,11 +1,12 @@
 """Gated delta-rule hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE) train exactly under CP (I1, I2, I5).
 
-Gloo parity: loss and every gradient, head-parallel at G = 1-4, against the stock model with
-`eager` attention run on each document separately. Packs hold 1-token documents and one
-document over every rank (three or more at G >= 3); contiguous and balanced layouts, with and
-without activation checkpointing; plus a pack whose last rank holds only padding. Also: head
-counts not divisible by G raise on every rank (no hang), and a few optimizer steps at cp = 2
-give the losses of cp = 1.
+Gloo parity: loss and every gradient at G = 1-4, against the stock model with `eager` attention
+run on each document separately. The linear layers have 2 key heads, so G = 3 and 4 run by state
+passing alone; G = 2 runs both transports (head-parallel and state passing). The pack holds 1-token
+documents and a document over three ranks (two at G = 2) that crosses several 64-token chunks of
+the delta rule; contiguous and balanced layouts, with and without activation checkpointing; plus
+a pack whose last rank holds only padding. Also: `heads` asked for where the heads do not split
+raises on every rank (no hang), and a few optimizer steps at cp = 2 give the losses of cp = 1.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from helpers.reference import compare_with_reference, make_docs, mean_over_group
 
 TOL = 1e-4
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cost=PAIR_COUNT)
+LOCAL = 96  # rows per rank of the long pack
 
 
 def heads_transport_case(rank, world_size, group):
@@ -56,9 +58,14 @@ def test_heads_transport_matches_indexing(gloo, world_size):
         assert checks == (True, True, True), f"rank {rank}: (values, gradient, round trip) = {checks}"
 
 
-def mixed_pack(world_size: int):
-    """1-token documents around one document that spans every rank, then 3 padding tokens."""
-    lengths = [1, 3, 8 * world_size + 1, 1, 4, 1]
+def long_pack(world_size: int):
+    """1-token documents, then one document over three ranks (G >= 3; both ranks at G = 2; 212 tokens:
+    four chunks of 64), short documents, then 3 padding tokens; `LOCAL` rows per rank."""
+    total = LOCAL * world_size
+    long_doc = min(2 * LOCAL + 20, total - 12)
+    lengths = [1, 3, long_doc, 1]
+    rest = total - 3 - sum(lengths)
+    lengths += [12] * (rest // 12) + ([rest % 12] if rest % 12 else [])
     docs = make_docs(lengths, seed=4)
     ids = torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None]
     labels = ids.clone()
@@ -66,13 +73,12 @@ def mixed_pack(world_size: int):
     return docs, {"input_ids": ids, "labels": labels, "document_ids": document_ids_from_lengths(lengths, ids.shape[1])[None]}
 
 
-def _run(model, batch, group, strategy, checkpointing):
+def _run(model, batch, group, strategy, checkpointing, transport="auto"):
     model = copy.deepcopy(model)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    train_ctx, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(
-        group, None, batch, config=dataclasses.replace(CONFIG, layout=strategy)
-    )
+    config = dataclasses.replace(CONFIG, layout=strategy, mixer_transport=transport)
+    train_ctx, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     with train_ctx():
         loss = model(**local).loss
         loss.backward()
@@ -80,20 +86,25 @@ def _run(model, batch, group, strategy, checkpointing):
     return model, loss, moved
 
 
+def _variants(world_size: int):
+    """(pack, layout, activation checkpointing, mixer transport) of one parity case."""
+    transports = ["states", "heads"] if world_size == 2 else ["states"]
+    out = [("long", "contiguous", False, t) for t in transports] + [("long", "balanced", True, t) for t in transports]
+    return out + [("padding_rank", "contiguous", True, "auto")]
+
+
 def hybrid_parity_case(rank, world_size, group, family):
     """Worst relative error of every variant, and whether the balanced layout permuted the pack."""
     ref, model = build_hybrid_pair(family)
     results, permuted = {}, False
-    variants = [("mixed", "contiguous", False), ("mixed", "balanced", False), ("mixed", "balanced", True),
-                ("padding_rank", "contiguous", True)]
-    for pack, strategy, checkpointing in variants:
-        docs, batch = mixed_pack(world_size) if pack == "mixed" else make_pack(pack, world_size)
+    for pack, strategy, checkpointing, transport in _variants(world_size):
+        docs, batch = long_pack(world_size) if pack == "long" else make_pack(pack, world_size)
         ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-        trained, loss, moved = _run(model, batch, group, strategy, checkpointing)
+        trained, loss, moved = _run(model, batch, group, strategy, checkpointing, transport)
         permuted |= moved and strategy == "balanced"
         errors = compare_with_reference(trained, ref_loss, ref_grads, loss, group, world_size)
         worst = max(errors, key=errors.get)
-        results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}"] = (errors[worst], worst, errors["loss"])
+        results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}/{transport}"] = (errors[worst], worst, errors["loss"])
     return results, permuted
 
 
@@ -110,20 +121,20 @@ def test_hybrid_matches_per_document_reference(gloo, family, world_size):
 
 
 def indivisible_heads_case(rank, world_size, group):
-    """A model whose 3 key heads do not split over G = 2: every rank must raise, none may hang."""
-    _, model = build_hybrid_pair("qwen3_5", linear_num_key_heads=3, linear_num_value_heads=6)
-    _, batch = mixed_pack(world_size)
+    """2 key heads do not split over G = 3: asking for `heads` must raise on every rank, none may hang."""
+    _, model = build_hybrid_pair("qwen3_5")
+    _, batch = long_pack(world_size)
     try:
-        _run(model, batch, group, "contiguous", False)
+        _run(model, batch, group, "contiguous", False, transport="heads")
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def test_indivisible_heads_raise_on_every_rank(gloo):
-    for rank, message in enumerate(gloo(2).run(indivisible_heads_case)):
+def test_heads_asked_where_they_do_not_split_raise_on_every_rank(gloo):
+    for rank, message in enumerate(gloo(3).run(indivisible_heads_case)):
         assert message is not None, f"rank {rank} did not raise"
-        for part in ("Qwen3_5GatedDeltaNet", "linear_num_key_heads=3", "linear_num_value_heads=6", "G=2"):
+        for part in ("Qwen3_5GatedDeltaNet", "key heads (2)", "G=3", "'states'"):
             assert part in message, f"rank {rank}: {part!r} missing from {message!r}"
 
 
@@ -152,7 +163,7 @@ def training_case(rank, world_size, group):
     model has the usual small initialisation: with the parity tests' large one, training is
     chaotic (a 1e-6 weight perturbation grows to 3e-4 in the loss within 3 steps at cp = 1)."""
     _, model = build_hybrid_pair("qwen3_5", initializer_range=0.02)
-    _, batch = mixed_pack(world_size)
+    _, batch = long_pack(world_size)
     cp1 = _train(copy.deepcopy(model), batch, None, 1, 4)
     cp = _train(model, batch, group, world_size, 4)
     return cp1, cp

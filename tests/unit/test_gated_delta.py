@@ -5,8 +5,8 @@
   convolution that crosses the boundary, and a state that crosses it all differ from it.
 - Outside a CP step without packing information the patched model is the stock model (forward
   and cached generation).
-- A hybrid without the patch cannot run a CP step; the VL model refuses images in a step;
-  the unverified fla path is refused.
+- A hybrid without the patch cannot run a CP step; the VL model's text steps equal its stock
+  model per document, and it refuses images in a step.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.kernels import RunTable
+from hf_blockdiag_cp.kernels.delta_rule import torch_delta_rule
+from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.model_patches import gated_delta
-from hf_blockdiag_cp.model_patches.gated_delta_kernels import docs_from_cu_seqlens, fla_refusal, length_groups
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model
-from helpers.reference import rel_err
+from helpers.reference import make_docs, reference_loss_and_grads, rel_err
 
 LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the delta rule
 
@@ -69,9 +71,17 @@ def test_packed_layer_equals_each_document_alone(family):
         assert rel_err(stock(x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
 
 
-def _mixer_out(layer, x, docs):
+def _mixer_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
+    """The layer's core output with its convolution restarted at `conv_runs` and its delta rule at `rule_runs`
+    (the torch kernels called directly)."""
     mixed, _, b, a = gated_delta._project(layer, x[0])
-    return gated_delta.token_mixer(layer, mixed, b, a, docs, None, 1, 0)
+    spec = gated_delta.mixer_layer(layer)
+    mixed = torch_short_conv(mixed, spec.conv_weight, spec.conv_bias, spec.activation, RunTable.build(conv_runs, "cpu"))
+    rows, kw = mixed.shape[0], spec.key_heads * spec.key_dim
+    q, k, v = mixed.split([kw, kw, spec.value_heads * spec.value_dim], dim=-1)
+    q, k, v = q.reshape(rows, spec.key_heads, -1), k.reshape(rows, spec.key_heads, -1), v.reshape(rows, spec.value_heads, -1)
+    g = -spec.A_log.float().exp() * torch.nn.functional.softplus(a.float() + spec.dt_bias)
+    return torch_delta_rule(q, k, v, g, b.sigmoid(), RunTable.build(rule_runs, "cpu"), torch_rule=spec.torch_rule)[0]
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -81,12 +91,15 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
     _, layer = _layers(family)
     x, _ = _inputs(layer.hidden_size)
     length = sum(LENGTHS)
-    split = docs_from_cu_seqlens(torch.tensor([0, LENGTHS[0], length]), length, "cpu")
-    whole = docs_from_cu_seqlens(torch.tensor([0, length]), length, "cpu")
+    split = MixerRuns.documents(torch.tensor([0, LENGTHS[0], length]), length)
+    whole = MixerRuns.documents(torch.tensor([0, length]), length)
     with torch.no_grad():
-        exact = _mixer_out(layer, x, split)
-        conv_crosses = _mixer_out(layer, x, dataclasses.replace(split, offsets=whole.offsets))
-        state_crosses = _mixer_out(layer, x, dataclasses.replace(split, segments=whole.segments))
+        exact = _mixer_out(layer, x, split, split)
+        conv_crosses = _mixer_out(layer, x, whole, split)
+        state_crosses = _mixer_out(layer, x, split, whole)
+        mixed, _, b, a = gated_delta._project(layer, x[0])
+        mixer = gated_delta.gated_delta_mix(gated_delta.mixer_layer(layer), mixed, b, a, MixerContext.from_runs(split))
+    assert rel_err(mixer, exact) <= 1e-6  # the mixer the patch runs is this composition
     second = slice(LENGTHS[0], length)
     assert rel_err(conv_crosses[second], exact[second]) > 1e-3
     assert rel_err(state_crosses[second], exact[second]) > 1e-3
@@ -118,37 +131,27 @@ def test_hybrid_without_the_patch_cannot_run_a_step():
     assert bdcp.apply_model_patches(copy.deepcopy(model)) == ("gated_delta_packed",)
 
 
-def test_vl_model_text_steps_run_and_images_are_refused():
+def test_vl_model_text_steps_equal_its_stock_model_per_document_and_images_are_refused():
     torch.manual_seed(0)
     model = tiny_hybrid_vl_model()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    ref.train(), model.train()
     assert bdcp.apply_model_patches(model) == ("gated_delta_packed",)
-    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+    lengths = [70, 3, 50]  # the first document spans two 64-token chunks of the delta rule
+    docs = make_docs(lengths, seed=2)
+    ids = torch.cat(docs)[None]
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
     with train_ctx():
-        assert torch.isfinite(model(**local).loss)
+        loss = model(**local).loss
+        loss.backward()
+    assert rel_err(loss.detach(), ref_loss) <= 1e-5
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            assert rel_err(p.grad, ref_grads[name]) <= 1e-4, name
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch)
     with pytest.raises(ValueError, match="images or videos are not supported"):
         with train_ctx():
             model(**local, pixel_values=torch.randn(4, 12), image_grid_thw=torch.tensor([[1, 2, 2]]))
-
-
-def test_fla_path_is_refused_until_verified():
-    reason = fla_refusal(torch.zeros(1))
-    assert reason is not None and "flash-linear-attention" in reason
-
-
-@settings(max_examples=100, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=30), budget=st.integers(1, 2000))
-def test_length_groups_cover_every_document_once_within_the_budget(lengths, budget):
-    """The batched delta rule's groups: every document once, longest first, and a group padded to
-    its longest document holds at most `budget` rows unless it is one document alone."""
-    starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    spans = [(a, a + n) for a, n in zip(starts, lengths)]
-    groups = length_groups(spans, budget)
-    flat = [span for group in groups for span in group]
-    assert sorted(flat) == spans
-    sizes = [b - a for a, b in flat]
-    assert sizes == sorted(sizes, reverse=True)
-    for group in groups:
-        assert len(group) == 1 or len(group) * (group[0][1] - group[0][0]) <= budget

@@ -15,8 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 # model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
 PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["planning", "comm", "kernels", "config", "step", "attention", "model_patches", "data", "integrations",
-          "bench"]
+LAYERS = ["planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data",
+          "integrations", "bench"]
 BELOW = {
     "planning": set(),
     "comm": {"planning"},
@@ -24,9 +24,10 @@ BELOW = {
     "config": {"planning", "comm", "kernels"},
     "step": {"planning", "comm", "kernels", "config"},
     "attention": {"planning", "comm", "kernels", "step"},
-    "model_patches": {"planning", "comm", "kernels", "config", "step", "attention"},
+    "mixers": {"planning", "comm", "kernels", "config", "step"},
+    "model_patches": {"planning", "comm", "kernels", "config", "step", "attention", "mixers"},
     "data": {"config", "planning", "comm", "step"},
-    "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "model_patches", "data"},
+    "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
 

@@ -1,0 +1,169 @@
+"""Kernels of the chunked gated delta rule over the runs of a `RunTable` (`mixer_registry`).
+
+- `torch`: Transformers' own `torch_chunk_gated_delta_rule` of the model's family (passed in as
+  `torch_rule`, so the stock model and ours compute alike), exact in fp32 and the reference. Runs
+  of similar length go as one batch: each run lands in a bucket whose width is a power-of-two
+  multiple of the rule's 64-token chunk (at most twice its length), zero-padded at its end (zero
+  keys, values, rates and log-decays leave outputs and the final state unchanged). One gather builds
+  every bucket and one gather puts the outputs back, so forward and backward cost grows linearly
+  with the number of runs (no per-run slices, whose backward fills a pack-sized zero gradient each).
+- `fla`: flash-linear-attention's varlen `chunk_gated_delta_rule` (`cu_seqlens`, one state per run),
+  where verified (`FLA_VERIFIED`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
+
+CHUNK = 64  # the chunk of Transformers' torch rule and of fla's kernel
+
+# Where the fla delta rule was checked forward and backward against a float64 reference
+# (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv)).
+FLA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozenset()
+
+
+# --------------------------------------------------------------------------- torch
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """How the torch kernel batches the document runs of a table: bucket b holds `counts[b]` runs
+    padded to `widths[b]` rows; `gather [P]` takes the padded rows from [x; one zero row], `scatter [T]`
+    puts every row's output back from [bucket outputs; one zero row] (padding runs read the zero row),
+    `run_ids` are each bucket's runs (for their initial and final states)."""
+
+    widths: tuple[int, ...]
+    counts: tuple[int, ...]
+    run_ids: tuple[torch.Tensor, ...]
+    gather: torch.Tensor
+    scatter: torch.Tensor
+
+
+def bucket_width(length: int) -> int:
+    """The padded width of a run of `length` rows: CHUNK · 2^ceil(log2(chunks))."""
+    chunks = -(-length // CHUNK)
+    return CHUNK * (1 << max(chunks - 1, 0).bit_length())
+
+
+def plan_buckets(table: RunTable) -> BucketPlan:
+    """The `BucketPlan` of `table` (host arithmetic once per table, then moved to its device)."""
+    runs = table.runs
+    lengths, starts = runs.lengths.tolist(), runs.boundaries[:-1].tolist()
+    rows = runs.num_rows
+    by_width: dict[int, list[int]] = {}
+    for i, (length, is_doc) in enumerate(zip(lengths, runs.is_document.tolist())):
+        if is_doc:
+            by_width.setdefault(bucket_width(length), []).append(i)
+    widths = tuple(sorted(by_width, reverse=True))
+    gather, scatter, offset = [], torch.full((rows,), -1, dtype=torch.long), 0
+    for width in widths:
+        for i in by_width[width]:
+            index = torch.full((width,), rows, dtype=torch.long)  # the zero row after x
+            index[: lengths[i]] = torch.arange(starts[i], starts[i] + lengths[i])
+            scatter[starts[i] : starts[i] + lengths[i]] = torch.arange(offset, offset + lengths[i])
+            gather.append(index)
+            offset += width
+    scatter[scatter < 0] = offset  # padding runs: the zero row after the outputs
+    device = table.cu_seqlens.device
+    return BucketPlan(
+        widths, tuple(len(by_width[w]) for w in widths),
+        tuple(torch.tensor(by_width[w], dtype=torch.long, device=device) for w in widths),
+        (torch.cat(gather) if gather else torch.zeros(0, dtype=torch.long)).to(device), scatter.to(device),
+    )
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+
+
+def torch_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_state=False, torch_rule=None):
+    """Transformers' torch rule over every document run of `table`, batched by `plan_buckets`."""
+    if torch_rule is None:
+        raise ValueError("the torch gated delta rule needs the model family's torch_chunk_gated_delta_rule (torch_rule=)")
+    ratio = v.shape[1] // q.shape[1]
+    if ratio > 1:  # each key head serves `ratio` consecutive value heads; older Transformers' rule expects them repeated
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    plan = table.cached("torch_buckets", lambda: plan_buckets(table))
+    sizes = [w * n for w, n in zip(plan.widths, plan.counts)]
+    inputs = [_with_zero_row(t).index_select(0, plan.gather).split(sizes) for t in (q, k, v, g, beta)]
+    outs, finals = [], []
+    for b, (width, count) in enumerate(zip(plan.widths, plan.counts)):
+        qb, kb, vb, gb, betab = (parts[b].reshape((count, width) + tuple(parts[b].shape[1:])) for parts in inputs)
+        state = None if initial_state is None else initial_state.index_select(0, plan.run_ids[b])
+        out, final = torch_rule(qb, kb, vb, g=gb, beta=betab, initial_state=state, output_final_state=output_final_state,
+                                use_qk_l2norm_in_kernel=True)
+        outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
+        finals.append(final)
+    flat = torch.cat(outs) if outs else v.new_zeros((0,) + tuple(v.shape[1:]))
+    out = _with_zero_row(flat.to(v.dtype)).index_select(0, plan.scatter)
+    if not output_final_state:
+        return out, None
+    n, hv, dk, dv = table.runs.lengths.numel(), v.shape[1], q.shape[2], v.shape[2]
+    final = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=v.device)
+    if finals:
+        final = final.index_put((torch.cat(plan.run_ids),), torch.cat(finals).float())
+    return out, final
+
+
+def torch_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    return None
+
+
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "gated_delta_rule", torch_delta_rule, torch_check, auto_priority=10))
+
+
+# --------------------------------------------------------------------------- flash-linear-attention
+
+
+@functools.cache
+def fla_backend_reason(device_index: int) -> str | None:
+    """Why fla's gated delta rule cannot run forward and backward on this CUDA device, or None: fla
+    installed, and on Hopper its TileLang backend usable (its Triton backward refuses itself with the
+    Triton releases torch 2.11 pins; docs/gpu.md)."""
+    if importlib.util.find_spec("fla") is None:
+        return "flash-linear-attention (fla) is not installed (pip install 'hf_blockdiag_cp[fla]')"
+    major = torch.cuda.get_device_capability(device_index)[0]
+    if major == 9:
+        from fla.backends import TileLangBackend
+        from fla.utils import TRITON_ABOVE_3_7_1
+
+        if not TRITON_ABOVE_3_7_1 and not TileLangBackend.can_use():
+            return ("fla's gated backward on Hopper needs Triton >= 3.7.1 or its TileLang backend (pip install tilelang, "
+                    "and nvcc found through CUDA_HOME or PATH); docs/gpu.md")
+    return None
+
+
+def fla_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    if device.type != "cuda":
+        return f"flash-linear-attention needs a CUDA device; got {device.type}"
+    reason = fla_backend_reason(device.index if device.index is not None else torch.cuda.current_device())
+    if reason is not None:
+        return reason
+    major = torch.cuda.get_device_capability(device)[0]
+    if (major, dtype, (dims.key_dim, dims.value_dim)) not in FLA_VERIFIED:
+        verified = sorted(f"sm{m}x {str(d).removeprefix('torch.')} {kd}x{vd}" for m, d, (kd, vd) in FLA_VERIFIED)
+        return (f"the fla delta rule was not verified for compute capability {major}.x, {dtype}, head dims "
+                f"{dims.key_dim}x{dims.value_dim} (verified: {', '.join(verified) or 'nowhere yet'})")
+    return None
+
+
+def fla_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_state=False, torch_rule=None):
+    """fla's varlen chunked gated delta rule over every run of `table` (one state per run)."""
+    del torch_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial_state,
+        output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=table.cu_seqlens,
+        cu_seqlens_cpu=table.runs.boundaries,
+    )
+    return out[0] * table.row_is_document[:, None, None].to(out.dtype), final
+
+
+FLA = register_mixer_kernel(MixerKernelRecord("fla", "gated_delta_rule", fla_delta_rule, fla_check, auto_priority=0))

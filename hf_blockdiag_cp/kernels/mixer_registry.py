@@ -1,0 +1,130 @@
+"""One record per kernel of a recurrent token-mixer operation, and the choice among them.
+
+The operations (`MIXER_OPS`) are what hybrid models' linear-attention layers run per document:
+`gated_delta_rule` (the chunked gated delta rule of Qwen3.5 / Qwen3-Next) and `short_conv` (their
+depthwise causal convolution). Every kernel of an operation runs over a `RunTable`: the runs it
+restarts at (documents, padding, or pieces of documents under state passing) on the device.
+A kernel module builds its `MixerKernelRecord` and registers it; `auto` takes, by `auto_priority`,
+the first whose `check` passes for the call: a fast kernel only where it was verified on a GPU
+(docs/models.md, "Kernels"), the torch kernel everywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..planning.mixer_plan import MixerRuns
+
+MIXER_OPS = ("gated_delta_rule", "short_conv")
+
+
+@dataclass(frozen=True)
+class MixerDims:
+    """What a mixer kernel's check reads of a call: key and value head dims (0 for a convolution)."""
+
+    key_dim: int = 0
+    value_dim: int = 0
+
+
+@dataclass(eq=False)
+class RunTable:
+    """`MixerRuns` on the compute device, built once per step per set of runs: `cu_seqlens [n + 1]`
+    (int64), `row_is_document [rows]` (bool), and a per-kernel cache of what a kernel derives from the
+    runs (the torch delta rule's gather plan), so recompute and every layer reuse it."""
+
+    runs: MixerRuns
+    cu_seqlens: torch.Tensor
+    row_is_document: torch.Tensor
+    cache: dict = field(default_factory=dict, repr=False)
+
+    @staticmethod
+    def build(runs: MixerRuns, device) -> "RunTable":
+        return RunTable(runs, runs.boundaries.to(device, non_blocking=True),
+                        runs.row_is_document.to(device, non_blocking=True))
+
+    @property
+    def num_rows(self) -> int:
+        return self.runs.num_rows
+
+    def cached(self, key, build):
+        value = self.cache.get(key)
+        if value is None:
+            value = self.cache[key] = build()
+        return value
+
+
+@dataclass(frozen=True)
+class MixerKernelRecord:
+    """A kernel of mixer operation `op`.
+
+    `fn`: for `gated_delta_rule`, `fn(q [T, Hk, Dk], k, v [T, Hv, Dv], g [T, Hv], beta [T, Hv], table,
+    initial_state [n, Hv, Dk, Dv] | None, output_final_state, torch_rule) -> (out [T, Hv, Dv], final
+    [n, Hv, Dk, Dv] | None)`, one state per run of `table`, outputs of padding runs zero; for
+    `short_conv`, `fn(x [T, C], weight [C, W], bias, activation, table) -> [T, C]`, the window
+    restarted at every run. `check(device, dtype, dims)` says why it cannot run a call (None: it
+    can): a fast kernel refuses wherever it was not verified. `auto_priority`: lower first; None:
+    only when named.
+    """
+
+    name: str
+    op: str
+    fn: Callable
+    check: Callable[[torch.device, torch.dtype, MixerDims], str | None]
+    auto_priority: int | None = None
+
+
+_RECORDS: dict[tuple[str, str], MixerKernelRecord] = {}
+
+
+def register_mixer_kernel(record: MixerKernelRecord) -> MixerKernelRecord:
+    if record.op not in MIXER_OPS:
+        raise ValueError(f"mixer kernel {record.name!r}: unknown op {record.op!r}; known: {', '.join(MIXER_OPS)}")
+    _RECORDS[(record.op, record.name)] = record
+    return record
+
+
+def mixer_kernel_names() -> tuple[str, ...]:
+    """Every registered mixer kernel name (a name may serve several ops)."""
+    return tuple(dict.fromkeys(name for _, name in _RECORDS))
+
+
+def canonical_mixer_backend(spelling: str) -> str:
+    """`auto` or a registered mixer kernel name (case and '-'/'_' insensitive): `CPConfig.mixer_backend`."""
+    if not isinstance(spelling, str):
+        raise TypeError(f"mixer_backend must be a string; got {type(spelling).__name__}")
+    key = spelling.strip().lower().replace("-", "_")
+    names = ("auto", *mixer_kernel_names())
+    if key not in names:
+        raise ValueError(f"mixer_backend={spelling!r} is not supported; accepted values: {', '.join(names)}")
+    return key
+
+
+def choose_mixer_kernel(op: str, requested: str, device: torch.device, dtype: torch.dtype, dims: MixerDims) -> MixerKernelRecord:
+    """The kernel of `op` for one call: `requested` if it can run it (else a clear error), or for `auto`
+    the first record by `auto_priority` whose check passes."""
+    if requested != "auto":
+        record = _RECORDS.get((op, requested))
+        if record is None:
+            have = [name for o, name in _RECORDS if o == op]
+            raise ValueError(f"mixer_backend={requested!r} has no {op} kernel; available: {', '.join(have)}")
+        reason = record.check(device, dtype, dims)
+        if reason is not None:
+            raise ValueError(f"mixer_backend={requested!r} cannot run {op} here: {reason}")
+        return record
+    ranked = sorted((r for (o, _), r in _RECORDS.items() if o == op and r.auto_priority is not None),
+                    key=lambda r: r.auto_priority)
+    reasons = []
+    for record in ranked:
+        reason = record.check(device, dtype, dims)
+        if reason is None:
+            return record
+        reasons.append(f"{record.name}: {reason}")
+    raise ValueError(f"mixer_backend='auto' found no {op} kernel on {device}: {'; '.join(reasons)}")
+
+
+def mixer_refusals(op: str, device: torch.device, dtype: torch.dtype, dims: MixerDims) -> dict[str, str | None]:
+    """Every kernel of `op` and why it cannot run such a call (None: it can); for logs and docs."""
+    return {name: r.check(device, dtype, dims) for (o, name), r in _RECORDS.items() if o == op}

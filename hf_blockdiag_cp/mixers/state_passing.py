@@ -1,0 +1,128 @@
+"""State passing: a recurrent token mixer over this rank's rows, exact for documents that continue
+from other ranks (`planning.mixer_plan`, "states"), at any CP size and layout.
+
+Convolution: every rank all-gathers the last `width` rows of each of its pieces; each piece is
+convolved with the rows before it prepended (`ConvHaloPlan`).
+
+Delta rule: the local pass runs every run of the rank from a zero state and returns each run's final
+state F. A transition pass runs the carried runs (those continuing a document) with values zero and
+the identity as initial state: its final state is the run's transition P (S_end = P·S_start + F) and
+its output the coefficients of the start state in each row's output (o = o_zero + o_P · S_start).
+One all-gather of every piece's (P, F) gives each carried run its start state, composed along the
+document's earlier pieces, and its rows get o_P · S_start added. Every step is differentiable, so
+backward passes state gradients back the same way (reduce-scatter). Every rank issues the same two
+all-gathers per layer whatever its rows hold, and `comm.blocks.after` ties each layer's second
+gather to its first, so their backwards run in the same order on every rank (I5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.blocks import after, all_gather_blocks
+from ..kernels.mixer_registry import MixerKernelRecord, RunTable
+from ..planning.mixer_plan import ConvHaloPlan, MixerRuns, StatePassingPlan, plan_conv_halo, plan_state_passing
+from .context import MixerContext
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+
+
+@dataclass(frozen=True)
+class _DeviceHalo:
+    plan: ConvHaloPlan
+    send_rows: torch.Tensor  # -1 replaced by the zero row's index
+    ext_index: torch.Tensor
+    keep: torch.Tensor
+
+
+def _halo(ctx: MixerContext, width: int, device) -> _DeviceHalo:
+    def build():
+        plan = plan_conv_halo(ctx.layout, ctx.rank, width)
+        send = torch.where(plan.send_rows < 0, ctx.layout.local_len, plan.send_rows)
+        return _DeviceHalo(plan, send.to(device), plan.ext_index.to(device), plan.keep.to(device))
+
+    return ctx.cached(("halo", width, str(device)), build)
+
+
+def conv_with_halo(ctx: MixerContext, kernel: MixerKernelRecord, x, weight, bias, activation):
+    """`x [L, C]` convolved per document across ranks -> (`[L, C]`, the gathered rows: order them)."""
+    width = weight.shape[-1] - 1
+    halo = _halo(ctx, width, x.device)
+    padded = _with_zero_row(x)
+    sent = padded.index_select(0, halo.send_rows)
+    gathered = all_gather_blocks(sent, ctx.group, ctx.world_size).reshape(-1, x.shape[1])
+    ext = torch.cat([x, gathered, x.new_zeros(1, x.shape[1])]).index_select(0, halo.ext_index)
+    table = ctx.table(("halo", width), lambda: halo.plan.ext_runs, x.device)
+    return kernel.fn(ext, weight, bias, activation, table).index_select(0, halo.keep), gathered
+
+
+@dataclass(frozen=True)
+class _DeviceStates:
+    plan: StatePassingPlan
+    carried_rows: torch.Tensor  # [R] local rows of the carried runs, in order
+    carried_spans: tuple[tuple[int, int], ...]  # each carried run's rows within carried_rows
+    final_index: torch.Tensor  # [slots] run whose final state each block sends (n_runs: a zero state)
+    transition_index: torch.Tensor  # [slots] carried run whose transition each block sends (c: zero)
+
+
+def _states(ctx: MixerContext, device) -> _DeviceStates:
+    def build():
+        plan = plan_state_passing(ctx.layout, ctx.rank)
+        bounds = plan.runs.boundaries
+        spans, rows, start = [], [], 0
+        for i in plan.carried.tolist():
+            a, b = int(bounds[i]), int(bounds[i + 1])
+            rows.append(torch.arange(a, b))
+            spans.append((start, start + b - a))
+            start += b - a
+        n_runs, n_carried = bounds.numel() - 1, plan.carried.numel()
+        final = torch.where(plan.export_final < 0, n_runs, plan.export_final)
+        transition = torch.where(plan.export_transition < 0, n_carried, plan.export_transition)
+        carried_rows = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+        return _DeviceStates(plan, carried_rows.to(device), tuple(spans), final.to(device), transition.to(device))
+
+    return ctx.cached(("states", str(device)), build)
+
+
+def _carried_runs(plan: StatePassingPlan) -> MixerRuns:
+    lengths = plan.runs.lengths[plan.carried]
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+    return MixerRuns(bounds, torch.ones(lengths.numel(), dtype=torch.bool))
+
+
+def delta_rule_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v, g, beta, torch_rule, order_after):
+    """This rank's rows of the gated delta rule over documents spread across ranks -> `[L, Hv, Dv]`.
+    q, k `[L, Hk, Dk]`, v `[L, Hv, Dv]`, g, beta `[L, Hv]`; `order_after`: the layer's earlier gather."""
+    states = _states(ctx, q.device)
+    plan = states.plan
+    local = ctx.table("local_runs", lambda: plan.runs, q.device)
+    out, final = kernel.fn(q, k, v, g, beta, local, None, True, torch_rule)
+    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    n_carried = plan.carried.numel()
+    if n_carried:
+        rows = states.carried_rows
+        carried = ctx.table("carried_runs", lambda: _carried_runs(plan), q.device)
+        eye = torch.eye(dk, dtype=torch.float32, device=q.device).expand(n_carried, hv, dk, dk).contiguous()
+        coeff, transition = kernel.fn(q.index_select(0, rows), k.index_select(0, rows), v.new_zeros(rows.numel(), hv, dk),
+                                      g.index_select(0, rows), beta.index_select(0, rows), carried, eye, True, torch_rule)
+    else:
+        coeff, transition = None, final.new_zeros(0, hv, dk, dk)
+    blocks = torch.cat([_with_zero_row(transition.float()).index_select(0, states.transition_index),
+                        _with_zero_row(final.float()).index_select(0, states.final_index)], dim=-1)
+    blocks = after(blocks, order_after)
+    gathered = all_gather_blocks(blocks, ctx.group, ctx.world_size).reshape(-1, hv, dk, dk + dv)
+    if not n_carried:
+        return after(out, gathered)
+    p, f = gathered[..., :dk], gathered[..., dk:]
+    corrections = []
+    for (a, b), chain in zip(states.carried_spans, plan.chains):
+        state = f[chain[0]]
+        for block in chain[1:]:
+            state = p[block] @ state + f[block]
+        corrections.append(torch.einsum("thk,hkv->thv", coeff[a:b].float(), state))
+    rows = states.carried_rows
+    return out.index_copy(0, rows, (out.index_select(0, rows).float() + torch.cat(corrections)).to(out.dtype))

@@ -1,0 +1,142 @@
+"""Mixer kernels on one process (kernels/delta_rule.py, kernels/short_conv.py, kernels/mixer_registry.py).
+
+The torch kernels against Transformers' own functions run on each run alone (float64 inputs; the
+delta rule computes in float32 whatever its inputs, hence its tolerances): the batched
+delta rule with initial and final states, the linearity in the initial state that state passing
+relies on, and the convolution; the bucket plan's size bounds (linear in the runs); and the choice:
+fla refused where it was not verified, with the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+
+from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
+from hf_blockdiag_cp.kernels.delta_rule import CHUNK, plan_buckets, torch_delta_rule
+from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
+
+RULE = inspect.unwrap(qwen3_5.torch_chunk_gated_delta_rule)
+HK, HV, DK, DV = 2, 4, 8, 6
+
+
+def _table(lengths, documents=None) -> RunTable:
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    is_doc = torch.tensor(documents if documents is not None else [True] * len(lengths))
+    return RunTable.build(MixerRuns(bounds, is_doc), "cpu")
+
+
+def _inputs(rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(rows, HK, DK, generator=g, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(rows, HV, DV, generator=g, dtype=torch.float64)
+    decay = -torch.rand(rows, HV, generator=g, dtype=torch.float64)
+    beta = torch.rand(rows, HV, generator=g, dtype=torch.float64)
+    return q, k, v, decay, beta
+
+
+def _per_run(table, q, k, v, decay, beta, initial):
+    """Transformers' rule on each document run alone (batch of one); padding runs give zeros."""
+    outs, finals = [], []
+    bounds = table.runs.boundaries.tolist()
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if not table.runs.is_document[i]:
+            outs.append(torch.zeros(b - a, HV, DV, dtype=v.dtype))
+            finals.append(torch.zeros(HV, DK, DV))
+            continue
+        state = None if initial is None else initial[i : i + 1]
+        o, f = RULE(q[None, a:b], k[None, a:b], v[None, a:b], g=decay[None, a:b], beta=beta[None, a:b],
+                    initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o[0])
+        finals.append(f[0])
+    return torch.cat(outs), torch.stack(finals)
+
+
+RUNS = st.lists(st.tuples(st.integers(1, 150), st.booleans()), min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(runs=RUNS, seed=st.integers(0, 1000), with_state=st.booleans())
+def test_torch_delta_rule_equals_each_run_alone(runs, seed, with_state):
+    lengths = [n for n, _ in runs]
+    table = _table(lengths, [d for _, d in runs])
+    q, k, v, decay, beta = _inputs(sum(lengths), seed)
+    initial = torch.randn(len(lengths), HV, DK, DV, dtype=torch.float64) if with_state else None
+    out, final = torch_delta_rule(q, k, v, decay, beta, table, initial, True, RULE)
+    ref_out, ref_final = _per_run(table, q, k, v, decay, beta, initial)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    is_doc = table.runs.is_document
+    torch.testing.assert_close(final[is_doc].double(), ref_final[is_doc].double(), rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_and_final_state_are_affine_in_the_initial_state():
+    """What state passing composes: with values zero and the identity as initial state, the final state is
+    the transition P and the output the coefficients C, so that for any S: final(S) = P·S + final(0) and
+    out(S) = out(0) + C·S (float64, runs over several 64-token chunks)."""
+    lengths = [150, 70]
+    table = _table(lengths)
+    q, k, v, decay, beta = _inputs(sum(lengths), 7)
+    state = torch.randn(2, HV, DK, DV, dtype=torch.float64)
+    out_s, final_s = torch_delta_rule(q, k, v, decay, beta, table, state, True, RULE)
+    out_0, final_0 = torch_delta_rule(q, k, v, decay, beta, table, None, True, RULE)
+    eye = torch.eye(DK, dtype=torch.float64).expand(2, HV, DK, DK)
+    coeff, transition = torch_delta_rule(q, k, v.new_zeros(sum(lengths), HV, DK), decay, beta, table, eye, True, RULE)
+    torch.testing.assert_close(final_s.double(), transition.double() @ state + final_0.double(), rtol=1e-4, atol=1e-4)
+    row_state = torch.repeat_interleave(state, torch.tensor(lengths), dim=0)
+    predicted = out_0 + torch.einsum("thk,thkv->thv", coeff, row_state)
+    torch.testing.assert_close(out_s, predicted, rtol=1e-4, atol=1e-4)
+    assert (out_s - out_0).abs().max() > 0.1  # the initial state matters
+
+
+@settings(max_examples=25, deadline=None)
+@given(runs=RUNS, seed=st.integers(0, 1000), kernel=st.integers(1, 5), bias=st.booleans())
+def test_torch_short_conv_equals_the_stock_convolution_on_each_run(runs, seed, kernel, bias):
+    lengths = [n for n, _ in runs]
+    table = _table(lengths, [d for _, d in runs])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(5, kernel, generator=g, dtype=torch.float64)
+    b = torch.randn(5, generator=g, dtype=torch.float64) if bias else None
+    out = torch_short_conv(x, weight, b, "silu", table)
+    bounds = table.runs.boundaries.tolist()
+    ref = torch.cat([qwen3_5.causal_conv1d_fn(x[a:z].T[None], weight, b, activation="silu")[0].T
+                     for a, z in zip(bounds[:-1], bounds[1:])])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=600))
+def test_buckets_grow_linearly_with_the_runs(lengths):
+    """The batched torch rule runs one call per bucket, at most log2 of the longest run in chunks plus one,
+    whatever the number of runs; its padded rows are at most twice the rows plus one chunk per run."""
+    plan = plan_buckets(_table(lengths))
+    longest = -(-max(lengths) // CHUNK)
+    assert len(plan.widths) <= longest.bit_length() + 1
+    assert sum(w * n for w, n in zip(plan.widths, plan.counts)) <= 2 * sum(lengths) + CHUNK * len(lengths)
+    assert sorted(int(i) for ids in plan.run_ids for i in ids) == list(range(len(lengths)))
+
+
+def test_fla_is_refused_where_not_verified_and_auto_takes_torch():
+    dims = MixerDims(128, 128)
+    for op in ("gated_delta_rule", "short_conv"):
+        assert choose_mixer_kernel(op, "auto", torch.device("cpu"), torch.float32, dims).name == "torch"
+        with pytest.raises(ValueError, match=r"mixer_backend='fla' cannot run .*(CUDA|not installed)"):
+            choose_mixer_kernel(op, "fla", torch.device("cpu"), torch.bfloat16, dims)
+    with pytest.raises(ValueError, match="has no gated_delta_rule kernel"):
+        choose_mixer_kernel("gated_delta_rule", "causal_conv1d", torch.device("cpu"), torch.float32, dims)
+
+
+def test_padding_runs_give_zero_outputs():
+    table = _table([5, 3, 4], [True, False, True])
+    q, k, v, decay, beta = _inputs(12, 1)
+    out, _ = torch_delta_rule(q, k, v, decay, beta, table, None, False, RULE)
+    assert torch.equal(out[5:8], torch.zeros_like(out[5:8])) and out[:5].abs().sum() > 0
+    x = torch.randn(12, 3, dtype=torch.float64)
+    assert F.silu(torch.zeros(1)).item() == 0.0 and torch_short_conv(x, torch.ones(3, 2, dtype=torch.float64), None, None, table)[5].abs().sum() > 0
