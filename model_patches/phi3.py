@@ -26,8 +26,6 @@ from hf_blockdiag_cp.step.state import CPStep, active_step
 
 from .registry import ModelPatch, register_patch
 
-DYNAMIC_ROPE_TYPES = ("longrope", "dynamic")
-
 
 def _rope_types(config) -> list[str]:
     params = getattr(config, "rope_parameters", None) or {}

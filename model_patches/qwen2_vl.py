@@ -29,14 +29,6 @@ def _step(kwargs):
     return kwargs.get(STEP_KWARG) or active_step()
 
 
-def _primary_length(args, kwargs) -> int | None:
-    for key in ("input_ids", "inputs_embeds"):
-        t = kwargs.get(key)
-        if t is not None:
-            return t.shape[1]
-    return args[0].shape[1] if args and isinstance(args[0], torch.Tensor) else None
-
-
 _VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "mm_encoder_outputs")
 
 
