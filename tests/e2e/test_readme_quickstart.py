@@ -51,6 +51,8 @@ dist.destroy_process_group()
 ''',
     "Trainer": REFERENCE + '''
 assert trainer.args.world_size == 2, f"the 2 processes trained alone: world size {trainer.args.world_size}"
+logged = [h["step"] for h in trainer.state.log_history if "loss" in h]
+assert logged == list(range(args.logging_steps, args.max_steps + 1, args.logging_steps)), trainer.state.log_history
 metrics = trainer.evaluate(eval_dataset=docs)
 reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
 reference.load_state_dict(trainer.model.state_dict())  # the trained weights

@@ -20,87 +20,30 @@ import warnings
 
 import pytest
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
-from hf_blockdiag_cp.data import PackedBatchSampler, PackedExamples, dataset_lengths
+from hf_blockdiag_cp.data import PackedBatchSampler, dataset_lengths
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
-from helpers.trainer import accelerate_env, checkpointing_settings, counting_attention, tiny_model, trainer_settings
+from helpers.trainer import accelerate_env, checkpointing_settings, counting_attention, tiny_model
 from helpers.trainer import quiet as _quiet
-
-MAX_TOKENS = 48
-STEPS = 3
-PACKS_PER_STEP = 2  # global batch: packs per optimizer step, over all DP replicas and accumulation
-LOSS_TOL = 1e-5
-GRAD_NORM_TOL = 1e-4
-UPDATE_TOL = 1e-3  # max |w_cp - w_ref| / max |w_ref - w_init|, per tensor
-
-
-def train_docs() -> list[dict]:
-    """Heavy-tailed document lengths, one longer than a pack (split into pieces)."""
-    g = torch.Generator().manual_seed(3)
-    lengths = [1, 2, 3, 3, 4, 5, 6, 7, 9, 11, 14, 17, 21, 26, 33, 40, 47, 70, 5, 8, 12, 2, 30, 19, 9, 4, 110]
-    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
-
-
-def training_args(output_dir: str, accumulation: int, **overrides) -> TrainingArguments:
-    return TrainingArguments(**{**trainer_settings(output_dir, accumulation, STEPS), **overrides})
-
-
-def _outcome(trainer: Trainer, initial: dict, output=None) -> dict:
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    final = [h["train_loss"] for h in trainer.state.log_history if "train_loss" in h]
-    weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
-    return {
-        "losses": [h["loss"] for h in logs],
-        "grad_norms": [float(h["grad_norm"]) for h in logs],
-        "logs": logs,
-        "weights": weights,
-        "initial": initial,
-        "train_loss": (output.training_loss if output is not None else None, final[-1] if final else None),
-    }
-
-
-# --------------------------------------------------------------------------- reference: stock Trainer, stock sdpa
-
-
-class _ReferenceTrainer(Trainer):
-    """Stock Trainer; only the data is fixed: the epoch's packs in order, labels masked at document starts."""
-
-    def __init__(self, *args, packs: list[dict], **kwargs):
-        super().__init__(*args, **kwargs)
-        self._packs = packs
-
-    def get_train_dataloader(self):
-        return torch.utils.data.DataLoader(self._packs, batch_size=None, shuffle=False)
-
-
-def reference_packs(docs: list[dict]) -> list[dict]:
-    """The packs of one epoch in dealing order, in Transformers' packed convention (no document_ids)."""
-    sampler = PackedBatchSampler(dataset_lengths(docs), MAX_TOKENS, seed=0)
-    examples, collator = PackedExamples(docs), BlockdiagCPCollator(MAX_TOKENS)
-    packs = []
-    for items in sampler.epoch_packs():
-        full = collator([examples[i] for i in items])
-        labels = full["labels"].clone()
-        labels[full["position_ids"] == 0] = -100  # no target crosses into the next document
-        packs.append({"input_ids": full["input_ids"], "labels": labels, "position_ids": full["position_ids"]})
-    return packs
-
-
-def reference_case(rank, world_size, group):
-    assert world_size == 1
-    with accelerate_env(rank, world_size) as out:
-        model = tiny_model("sdpa")
-        initial = {k: v.clone() for k, v in model.state_dict().items()}
-        trainer = _ReferenceTrainer(model=model, args=training_args(out, PACKS_PER_STEP), packs=reference_packs(train_docs()))
-        output = _quiet(trainer).train()
-        return _outcome(trainer, initial, output)
-
+from helpers.trainer_reference import (
+    LOSS_TOL,
+    MAX_TOKENS,
+    PACKS_PER_STEP,
+    STEPS,
+    assert_same_training,
+    eval_docs,
+    outcome,
+    reference_case,
+    stock_eval_loss,
+    train_docs,
+    training_args,
+)
 
 # --------------------------------------------------------------------------- block-diagonal CP runs
 
@@ -121,30 +64,17 @@ def cp_case(rank, world_size, group, cp_size, arg_overrides, balanced=False):
             cp_config=cp_config,
         )
         output = _quiet(trainer).train()
-        outcome = _outcome(trainer, initial, output)
+        result = outcome(trainer, initial, output)
         layouts = [trainer._local_batch(batch)[SHARD_KEY].layout for batch in trainer.get_train_dataloader()]
-        outcome["permuted_packs"] = sum(
+        result["permuted_packs"] = sum(
             not torch.equal(lay.slot_positions.reshape(-1), torch.arange(lay.padded_seq_len)) for lay in layouts
         )
-        return outcome
+        return result
 
 
 @pytest.fixture(scope="module")
 def reference(gloo):
     return gloo(1).run(reference_case, timeout=120)[0]
-
-
-def _assert_same_training(got: dict, ref: dict, what: str) -> None:
-    assert len(got["losses"]) == len(ref["losses"]) == STEPS, (what, got["losses"], ref["losses"])
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"]), start=1):
-        assert abs(a - b) <= LOSS_TOL * abs(b), f"{what} step {step}: logged loss {a} vs reference {b}"
-    for step, (a, b) in enumerate(zip(got["grad_norms"], ref["grad_norms"]), start=1):
-        assert abs(a - b) <= GRAD_NORM_TOL * abs(b), f"{what} step {step}: grad norm {a} vs reference {b}"
-    for name, w_ref in ref["weights"].items():
-        update = (w_ref - ref["initial"][name]).abs().max()
-        err = (got["weights"][name] - w_ref).abs().max()
-        assert update > 0, f"reference did not train {name}"
-        assert err <= UPDATE_TOL * update, f"{what}: {name} differs by {err:.3e}, its update is {update:.3e}"
 
 
 def _logged_choices(got: dict) -> list[dict]:
@@ -168,7 +98,7 @@ def _logged_choices(got: dict) -> list[dict]:
 def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg_overrides):
     results = gloo(world_size).run(cp_case, timeout=180, cp_size=cp_size, arg_overrides=arg_overrides)
     for rank, got in enumerate(results):
-        _assert_same_training(got, reference, f"world {world_size} cp {cp_size} rank {rank}")
+        assert_same_training(got, reference, f"world {world_size} cp {cp_size} rank {rank}")
         last = got["logs"][-1]
         per_rank = [last[f"cp_real_tokens_rank{r}"] for r in range(world_size)]
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
@@ -181,7 +111,7 @@ def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference
     still exactly the stock Trainer's."""
     results = gloo(2).run(cp_case, timeout=180, cp_size=2, arg_overrides={}, balanced=True)
     for rank, got in enumerate(results):
-        _assert_same_training(got, reference, f"balanced rank {rank}")
+        assert_same_training(got, reference, f"balanced rank {rank}")
         assert got["permuted_packs"] > 0, "no pack was laid out by the balanced strategy"
         assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "balanced"}]
 
@@ -230,13 +160,13 @@ def compiled_case(rank, world_size, group, arg_overrides):
         trainer = BlockdiagCPTrainer(model=model, args=args, train_dataset=train_docs(), cp_size=2, max_tokens=MAX_TOKENS,
                                      callbacks=[totals])
         output = _quiet(trainer).train()
-        outcome = _outcome(trainer, initial, output)
-        outcome["totals"] = totals.totals
-        outcome["eval"] = trainer.evaluate(eval_docs())  # sharded, through the compiled model
-        outcome["compiled_bodies"] = sum(isinstance(getattr(layer, "_gradient_checkpointing_func", None), CompiledCheckpointBody)
+        result = outcome(trainer, initial, output)
+        result["totals"] = totals.totals
+        result["eval"] = trainer.evaluate(eval_docs())  # sharded, through the compiled model
+        result["compiled_bodies"] = sum(isinstance(getattr(layer, "_gradient_checkpointing_func", None), CompiledCheckpointBody)
                                          for layer in model.model.layers)
-        outcome["wrapped"] = type(trainer.model_wrapped).__name__
-    return outcome
+        result["wrapped"] = type(trainer.model_wrapped).__name__
+    return result
 
 
 @pytest.mark.parametrize(
@@ -251,7 +181,7 @@ def test_trainer_torch_compile_matches_stock_trainer(gloo, reference, arg_overri
     results = gloo(2).run(compiled_case, timeout=300, arg_overrides=arg_overrides)
     layers = tiny_model().config.num_hidden_layers
     for rank, got in enumerate(results):
-        _assert_same_training(got, reference, f"compiled rank {rank}")
+        assert_same_training(got, reference, f"compiled rank {rank}")
         assert got["wrapped"] == "OptimizedModule", got["wrapped"]
         first, *rest = got["totals"]
         assert first > 0 and rest == [first] * len(rest), f"rank {rank}: graphs compiled after the first step: {got['totals']}"
@@ -314,30 +244,6 @@ def test_setup_mistakes_raise_on_every_rank(gloo, mistake, expected):
 
 
 # --------------------------------------------------------------------------- sharded evaluation
-
-
-def eval_docs() -> list[dict]:
-    """Held-out documents, none longer than a pack; they pack into an odd number of packs, the last
-    one partial, so dp = 2 needs a fill pack (which must weigh 0)."""
-    g = torch.Generator().manual_seed(11)
-    lengths = [2, 5, 9, 13, 17, 23, 31, 40, 47, 3, 8, 19, 26, 6, 1, 11, 44]
-    return [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
-
-
-def stock_eval_loss(docs: list[dict], piece: int | None = None, weights: dict | None = None) -> float:
-    """The stock eager model (same initial weights, or `weights`) on every document unpacked: token-weighted mean
-    loss; with `piece`, on every `piece`-token slice of each document as its own document."""
-    model = tiny_model("eager").eval()
-    if weights is not None:
-        model.load_state_dict(weights)
-    total, count = 0.0, 0
-    whole = [torch.tensor(doc["input_ids"]) for doc in docs]
-    with torch.no_grad():
-        for ids in whole if piece is None else [part for ids in whole for part in ids.split(piece)]:
-            logits = model(input_ids=ids[None]).logits[0]
-            total += float(torch.nn.functional.cross_entropy(logits[:-1].double(), ids[1:], reduction="sum"))
-            count += ids.numel() - 1
-    return total / count
 
 
 def eval_case(rank, world_size, group, cp_size):
