@@ -47,6 +47,7 @@ from shared_args import (  # same folder: the examples' argument checks
     layout_error,
     load_raw_dataset,
     loaded,
+    one_line_errors,
     process_group_closed,
 )
 from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
@@ -176,5 +177,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with process_group_closed():
+    with process_group_closed(), one_line_errors():
         sys.exit(main())

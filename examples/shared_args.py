@@ -19,6 +19,7 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.config import OVERLAP_SPLITS
 from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
 from hf_blockdiag_cp.kernels import kernel_names
+from hf_blockdiag_cp.kernels.registry import KernelUnavailableError
 from hf_blockdiag_cp.planning import exchange_names, layout_strategies
 
 
@@ -35,11 +36,28 @@ def process_group_closed():
             dist.destroy_process_group()
 
 
-def fail(reason: str) -> NoReturn:
+@contextlib.contextmanager
+def one_line_errors():
+    """End the rank with `fail`'s one line for an error the user fixes on the command line or in the
+    installation that shows only once the run started: a kernel that cannot run here (its package
+    does not import, or the device or dtype is not one it runs) or a model type or feature the
+    library refuses. Every rank meets it at the same step, so every rank ends alike."""
+    try:
+        yield
+    except (KernelUnavailableError, NotImplementedError) as exc:
+        fail(" ".join(str(exc).split()), during_run=True)
+
+
+def fail(reason: str, during_run: bool = False) -> NoReturn:
     """End this rank with `error: <reason>` as one line on stderr and exit status 2. Every rank
-    prints it: a rank that waited for rank 0 to print could be killed by the launcher first."""
+    prints it: a rank that waited for rank 0 to print could be killed by the launcher first.
+    `during_run`: the line starts on a new line (rank 0's progress bar may hold an unfinished one),
+    and the process exits at once: tearing down a gloo group while the peers fail at the same
+    moment can abort a process (status -6 instead of 2)."""
     sys.stdout.flush()
-    print(f"error: {reason}", file=sys.stderr, flush=True)
+    print(f"{chr(10) if during_run else ''}error: {reason}", file=sys.stderr, flush=True)
+    if during_run:
+        os._exit(2)
     sys.exit(2)
 
 

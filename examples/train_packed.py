@@ -45,7 +45,7 @@ from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_distribu
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from shared_args import (  # same folder
     OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
-    process_group_closed,
+    one_line_errors, process_group_closed,
 )
 
 IGNORE_INDEX = -100
@@ -350,7 +350,7 @@ def train(args) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launch(args)  # before any collective: a bad argument ends every rank with one line
-    with process_group_closed():
+    with process_group_closed(), one_line_errors():
         train(args)
     return 0
 

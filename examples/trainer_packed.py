@@ -44,7 +44,7 @@ from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from shared_args import (  # same folder
     OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
-    process_group_closed,
+    one_line_errors, process_group_closed,
 )
 from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
 
@@ -202,5 +202,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    with process_group_closed():
+    with process_group_closed(), one_line_errors():
         sys.exit(main())

@@ -200,7 +200,9 @@ def dataset_lengths(dataset, length_key: str = "input_ids") -> list[int]:
         import pyarrow.compute as pc
 
         if length_key not in dataset.column_names:
-            raise ValueError(f"length_key={length_key!r} is not a column of the dataset; columns: {dataset.column_names}")
+            text = [name for name, feature in dataset.features.items() if getattr(feature, "dtype", None) == "string"]
+            raise ValueError(f"length_key={length_key!r} is not a column of the dataset; columns: "
+                             f"{dataset.column_names}{_tokenize_hint(text)}")
         column = dataset.with_format("arrow")[length_key]
         if pa.types.is_integer(column.type):
             return [int(v) for v in column.to_numpy()]
@@ -211,10 +213,24 @@ def dataset_lengths(dataset, length_key: str = "input_ids") -> list[int]:
     for i in range(len(dataset)):
         example = dataset[i]
         if not hasattr(example, "keys") or length_key not in example:
-            raise ValueError(f"dataset[{i}] must be a dict with {length_key!r}; got {type(example).__name__}")
+            text = [k for k, v in example.items() if isinstance(v, str)] if hasattr(example, "items") else []
+            raise ValueError(f"dataset[{i}] must be a dict with {length_key!r}; got {type(example).__name__}"
+                             f"{' with keys ' + str(list(example.keys())) if hasattr(example, 'keys') else ''}"
+                             f"{_tokenize_hint(text)}")
         value = example[length_key]
         lengths.append(checked_length(i, value) if _is_integer(value) else len(value))
     return lengths
+
+
+def _tokenize_hint(text_columns: list[str]) -> str:
+    """What to do with a dataset of text where token ids are expected (empty without text columns)."""
+    if not text_columns:
+        return ""
+    column = text_columns[0]
+    return (f". The dataset holds text ({', '.join(map(repr, text_columns))}), not token ids: tokenize it first (for a "
+            f"datasets.Dataset: dataset.map(lambda batch: tokenizer(batch[{column!r}]), batched=True, "
+            f"remove_columns=[{column!r}])), or train with hf_blockdiag_cp.integrations.trl.BlockdiagCPSFTTrainer, "
+            "which tokenizes text as TRL does")
 
 
 def _is_integer(value: Any) -> bool:

@@ -113,6 +113,12 @@ def calibrated_cost(name: str) -> KernelCost | None:
         raise ValueError(f"{CALIBRATION_PATH}: kernel {name!r}: {exc}") from None
 
 
+class KernelUnavailableError(ValueError):
+    """The configured kernel (or every kernel `auto` tries) cannot run a layer here: its package does
+    not import, or the device, dtype, head dims or features are not ones it runs. Fixed by the user
+    (another `attn_backend`, an install, a dtype), so scripts may report it as one line."""
+
+
 _RECORDS: dict[str, KernelRecord] = {}
 _SPELLINGS: dict[str, str] = {"auto": "auto"}
 
@@ -177,12 +183,12 @@ def choose_kernel(
     needs_lse: bool = False,
 ) -> KernelRecord:
     """Resolve `auto` to a kernel for one layer's call (with `needs_lse`, one that `returns_lse`), or
-    check an explicit choice; raise a clear error if it cannot run."""
+    check an explicit choice; raise `KernelUnavailableError` saying why if it cannot run."""
     if requested != "auto":
         record = get_kernel(requested)
         reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
         if reason is not None:
-            raise ValueError(f"attn_backend={requested!r} cannot run here: {reason}")
+            raise KernelUnavailableError(f"attn_backend={requested!r} cannot run here: {reason}")
         return record
     reasons = []
     for record in auto_order(device):
@@ -190,4 +196,4 @@ def choose_kernel(
         if reason is None:
             return record
         reasons.append(f"{record.name}: {reason}")
-    raise ValueError(f"attn_backend='auto' found no kernel for this layer on {device}: {'; '.join(reasons)}")
+    raise KernelUnavailableError(f"attn_backend='auto' found no kernel for this layer on {device}: {'; '.join(reasons)}")

@@ -192,6 +192,30 @@ def test_one_process_accelerate_cpu_launch_names_torchrun(script):
     assert f"`torchrun --standalone --nproc-per-node N {path} --steps 1`" in errors[0], errors
 
 
+@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py", "sft_trl.py"])
+def test_unavailable_kernel_ends_the_workers_with_one_line(script, tmp_path):
+    """`--attn-backend fa4` where flash-attn-4 does not import: known, so the launch check lets it
+    pass, and the first attention call finds it cannot run. Every worker that gets to print says so
+    in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report)."""
+    from hf_blockdiag_cp.kernels.fa4 import available
+
+    if available():
+        pytest.skip("flash-attn-4 imports here")
+    if script == "sft_trl.py":
+        pytest.importorskip("trl")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--attn-backend", "fa4", "--steps", "1",
+                          "--output-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    lines = _output_lines(run)
+    errors = [line for line in lines if line.startswith("error:")]
+    assert run.returncode != 0 and errors, lines[-20:]
+    assert set(errors) == {"error: attn_backend='fa4' cannot run here: flash-attn-4 (flash_attn.cute) does not import "
+                           "in this environment (install the [fa4] extra)"}, lines[-20:]
+    assert "exitcode  : 2" in run.stderr, lines[-20:]
+    assert run.stderr.count("Traceback (most recent call last)") <= 1 and "raise ValueError" not in run.stderr, lines
+
+
 def test_local_data_files_load_by_their_suffix(tmp_path):
     """`--dataset` with a local file: the examples read it with the `datasets` builder of its suffix
     (`shared_args.load_raw_dataset`), and the Trainer example turns its text into byte tokens."""
