@@ -30,6 +30,7 @@ def normalize_exchange(name: str) -> str:
 
 
 OVERLAP_SPLITS = ("queries", "keys")  # CPConfig.overlap besides False (True means "queries")
+NO_TARGET_POLICIES = ("warn", "raise")  # CPConfig.no_target_packs
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class CPConfig:
     mixer_transport: how those mixers cross the CP group: `heads` (head-parallel all-to-all; needs
       the heads divisible by G), `states` (state passing, any G) or `auto` (per step and layer, the
       cheaper by `planning.mixer_plan.MixerCost`).
+    no_target_packs: what a pack with labels but no target token (every label -100 after the shift:
+      masking gone wrong, or only one-token documents) does; it would train nothing (loss 0, zero
+      gradients). `warn` (default): a WARNING on the CP group's first rank with the count so far, at
+      the 1st, 2nd, 4th, 8th ... such pack of the process; `raise`: a ValueError on every rank of
+      the group (the Trainers check every rank's packs before the step, so every rank raises).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -73,6 +79,7 @@ class CPConfig:
     overlap: bool | str = False
     mixer_backend: str = "auto"
     mixer_transport: str = "auto"
+    no_target_packs: str = "warn"
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -106,6 +113,9 @@ class CPConfig:
                 f"overlap='keys' merges partial softmaxes by their log-sum-exp, which attn_backend={self.attn_backend!r} "
                 f"does not return (verified: {', '.join(able)} or auto); use overlap='queries' with it"
             )
+        if self.no_target_packs not in NO_TARGET_POLICIES:
+            raise ValueError(f"no_target_packs={self.no_target_packs!r} is not supported; accepted values: "
+                             f"{', '.join(NO_TARGET_POLICIES)}")
         if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
             raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
@@ -133,6 +143,7 @@ def configure_cp(
     overlap: bool | str = False,
     mixer_backend: str = "auto",
     mixer_transport: str = "auto",
+    no_target_packs: str = "warn",
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.
@@ -142,7 +153,7 @@ def configure_cp(
     """
     global _DEFAULT
     _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost, overlap,
-                        mixer_backend, mixer_transport)
+                        mixer_backend, mixer_transport, no_target_packs)
     return _DEFAULT
 
 

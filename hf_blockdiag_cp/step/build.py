@@ -34,6 +34,7 @@ from ..planning import (
 from .model_support import prepare_model
 from .shard import SHARD_KEY, PackFingerprint, shard_batch
 from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
+from .targets import check_pack_targets
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,9 @@ def make_cp_blockdiag_batch_and_ctx(
     NotImplementedError here, on every rank.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
-    exchange choices) make every rank raise after one consensus all-reduce, never a hang.
+    exchange choices) make every rank raise after one consensus all-reduce, never a hang. A pack
+    with labels but no target token is warned about or refused (`CPConfig.no_target_packs`,
+    `step.targets`).
     """
     del tp_mesh
     config = default_config() if config is None else config
@@ -213,8 +216,10 @@ def make_cp_blockdiag_batch_and_ctx(
             f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
             "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
         )
+    info = local.pop(SHARD_KEY)
+    check_pack_targets(config.no_target_packs, info.fingerprint.label_count, "labels" in local, cp.rank)
     warn_exchange_fallback(config.kv_exchange, exchange, exchange_plan)
-    layout = local.pop(SHARD_KEY).layout
+    layout = info.layout
     if step.attn_backend != "auto":
         prepare = get_kernel(step.attn_backend).prepare
         if prepare is not None:

@@ -15,11 +15,13 @@ from .setup import check_model_setup, checkpointing_kwargs
 
 @dataclass
 class TokenMeter:
-    """Tokens since the last log: real tokens per rank, pack slots over all ranks, and the window's start time."""
+    """Tokens since the last log: real tokens per rank, pack slots over all ranks, packs with labels but no
+    target token (`CPConfig.no_target_packs`), and the window's start time."""
 
     world_size: int
     real_tokens: list[int] = field(default_factory=list)
     pack_tokens: int = 0
+    packs_without_targets: int = 0
     window_start: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self):
@@ -28,14 +30,16 @@ class TokenMeter:
     def reset(self) -> None:
         self.real_tokens = [0] * self.world_size
         self.pack_tokens = 0
+        self.packs_without_targets = 0
         self.window_start = time.perf_counter()
 
-    def add(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:
+    def add(self, real_tokens_per_rank: list[int], pack_tokens: int, packs_without_targets: int = 0) -> None:
         if len(real_tokens_per_rank) != self.world_size:
             self.world_size = len(real_tokens_per_rank)
             self.reset()
         self.real_tokens = [a + b for a, b in zip(self.real_tokens, real_tokens_per_rank)]
         self.pack_tokens += pack_tokens
+        self.packs_without_targets += packs_without_targets
 
     def pop(self) -> dict[str, float]:
         """The window's metrics (empty if nothing was recorded), then start a new window."""
@@ -48,6 +52,7 @@ class TokenMeter:
             "cp_tokens_per_second": real / elapsed,
             "cp_packing_efficiency": real / self.pack_tokens,
             "cp_rank_imbalance": max(self.real_tokens) / mean if mean else 1.0,
+            "cp_packs_without_targets": self.packs_without_targets,
         }
         for rank, tokens in enumerate(self.real_tokens):
             metrics[f"cp_real_tokens_rank{rank}"] = tokens
@@ -64,7 +69,8 @@ class BlockdiagCPCallback(TrainerCallback):
     Metrics (added to every training log by `BlockdiagCPTrainerMixin`, over the window since
     the previous log): `cp_tokens_per_second` (real tokens of all ranks per second),
     `cp_packing_efficiency` (real tokens / pack tokens), `cp_real_tokens_rank{r}` and
-    `cp_rank_imbalance` (max / mean of the per-rank real tokens); and, in the first log after a
+    `cp_rank_imbalance` (max / mean of the per-rank real tokens), `cp_packs_without_targets` (packs
+    with labels but no target token: they train nothing; `CPConfig.no_target_packs`); and, in the first log after a
     step ran a choice not logged before, `cp_attn_kernel`, `cp_kv_exchange` and `cp_layout` (what
     `auto` chose; several kernels joined by "+").
     """
@@ -85,9 +91,9 @@ class BlockdiagCPCallback(TrainerCallback):
         self.check_setup(model, args.world_size, checkpointing_kwargs(args))
         self.meter = TokenMeter(world_size=args.world_size)
 
-    def record(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:
+    def record(self, real_tokens_per_rank: list[int], pack_tokens: int, packs_without_targets: int = 0) -> None:
         """Account one optimizer step (all ranks' numbers, identical on every rank)."""
-        self.meter.add(real_tokens_per_rank, pack_tokens)
+        self.meter.add(real_tokens_per_rank, pack_tokens, packs_without_targets)
 
     def note_choices(self, choices: StepChoices) -> None:
         """Remember what a step ran; a choice not seen before goes into the next log."""
