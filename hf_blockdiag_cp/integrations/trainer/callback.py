@@ -33,13 +33,12 @@ class TokenMeter:
         self.packs_without_targets = 0
         self.window_start = time.perf_counter()
 
-    def add(self, real_tokens_per_rank: list[int], pack_tokens: int, packs_without_targets: int = 0) -> None:
+    def add(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:
         if len(real_tokens_per_rank) != self.world_size:
             self.world_size = len(real_tokens_per_rank)
             self.reset()
         self.real_tokens = [a + b for a, b in zip(self.real_tokens, real_tokens_per_rank)]
         self.pack_tokens += pack_tokens
-        self.packs_without_targets += packs_without_targets
 
     def pop(self) -> dict[str, float]:
         """The window's metrics (empty if nothing was recorded), then start a new window."""
@@ -91,9 +90,13 @@ class BlockdiagCPCallback(TrainerCallback):
         self.check_setup(model, args.world_size, checkpointing_kwargs(args))
         self.meter = TokenMeter(world_size=args.world_size)
 
-    def record(self, real_tokens_per_rank: list[int], pack_tokens: int, packs_without_targets: int = 0) -> None:
+    def record(self, real_tokens_per_rank: list[int], pack_tokens: int) -> None:
         """Account one optimizer step (all ranks' numbers, identical on every rank)."""
-        self.meter.add(real_tokens_per_rank, pack_tokens, packs_without_targets)
+        self.meter.add(real_tokens_per_rank, pack_tokens)
+
+    def record_packs_without_targets(self, packs: int) -> None:
+        """Account the packs of one optimizer step that had labels but no target token (over every rank, each once)."""
+        self.meter.packs_without_targets += packs
 
     def note_choices(self, choices: StepChoices) -> None:
         """Remember what a step ran; a choice not seen before goes into the next log."""

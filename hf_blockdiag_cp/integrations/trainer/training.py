@@ -38,6 +38,7 @@ from ..compile import compile_checkpointed_layers
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
+from ...step.targets import no_targets_error
     PackingOptions,
     check_no_foreign_parallelism,
     check_trainer_setup,
@@ -174,7 +175,10 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
                 tally[0] += int(labels.ne(IGNORE_INDEX).sum())
             tally[1] += batch["input_ids"].shape[1]
             tally[2 + c.rank] += int(batch["document_ids"].gt(0).sum())
-        tally = sum_over_world(tally, c.world_size)
+        # Packs with labels but no target, each once: counted by the first rank of its CP group.
+        targetless = torch.tensor([sum(c.cp_rank == 0 and _without_targets(batch) for batch in batches)])
+        tally, targetless = sum_over_world(torch.cat([tally, targetless]), c.world_size).split([tally.numel(), 1])
+        self._note_packs_without_targets(int(targetless))
         self.cp_callback.record(tally[2:].tolist(), int(tally[1]))
         num_items = torch.tensor(float(max(int(tally[0]), 1)), device=device) if batches else None
         return batches, num_items
@@ -242,3 +246,15 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
 
 class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):
     """`transformers.Trainer` with block-diagonal CP on packed data (see `BlockdiagCPTrainerMixin`)."""
+    def _note_packs_without_targets(self, packs: int) -> None:
+        """Into the next training log (`cp_packs_without_targets`); with `CPConfig(no_target_packs="raise")`
+        a ValueError, on every rank alike (`packs` is the world's) before any of them runs the step."""
+        if packs and self.cp_config.no_target_packs == "raise":
+            raise no_targets_error(packs)
+        self.cp_callback.record_packs_without_targets(packs)
+
+
+def _without_targets(batch: dict) -> bool:
+    """Whether a sharded pack has labels but no target token in the whole pack (its agreed fingerprint)."""
+    return "labels" in batch and batch[SHARD_KEY].fingerprint.label_count == 0
+
