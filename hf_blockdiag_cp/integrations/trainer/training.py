@@ -34,11 +34,11 @@ from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
+from ...step.targets import no_targets_error
 from ..compile import compile_checkpointed_layers
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
 from .setup import (
-from ...step.targets import no_targets_error
     PackingOptions,
     check_no_foreign_parallelism,
     check_trainer_setup,
@@ -243,9 +243,6 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
             return value
         return float(sum_over_world(torch.tensor([value], dtype=torch.float64), world_size).item()) / world_size
 
-
-class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):
-    """`transformers.Trainer` with block-diagonal CP on packed data (see `BlockdiagCPTrainerMixin`)."""
     def _note_packs_without_targets(self, packs: int) -> None:
         """Into the next training log (`cp_packs_without_targets`); with `CPConfig(no_target_packs="raise")`
         a ValueError, on every rank alike (`packs` is the world's) before any of them runs the step."""
@@ -258,3 +255,6 @@ def _without_targets(batch: dict) -> bool:
     """Whether a sharded pack has labels but no target token in the whole pack (its agreed fingerprint)."""
     return "labels" in batch and batch[SHARD_KEY].fingerprint.label_count == 0
 
+
+class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):
+    """`transformers.Trainer` with block-diagonal CP on packed data (see `BlockdiagCPTrainerMixin`)."""
