@@ -95,8 +95,6 @@ def _torchrun(script: Path, cwd: Path, processes: int | None = 2) -> tuple[int, 
     return run.returncode, run.stdout + run.stderr
 
 
-def test_readme_holds_the_checked_examples():
-    assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
 def _example_script(tmp_path: Path, heading: str, code: str) -> Path:
     """The example with the tiny model and its section's checks; each rank leaves a file when it finished
     (printed lines of two ranks can interleave)."""
@@ -107,6 +105,8 @@ def _example_script(tmp_path: Path, heading: str, code: str) -> Path:
     return script
 
 
+def test_readme_holds_the_checked_examples():
+    assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
 
 
 @pytest.mark.parametrize("heading, code", python_examples(), ids=[h for h, _ in python_examples()])
@@ -119,8 +119,6 @@ def test_readme_example_runs_under_torchrun_on_cpu(tmp_path, heading, code):
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1"], out[-3000:]
 
 
-def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
-    """torchrun's 2 processes on a host without CUDA: without use_cpu=True transformers would run
 def test_quick_start_runs_as_one_process(tmp_path):
     """`python train.py`: one process is a CP group of one, and the loss is the per-document reference's."""
     if torch.cuda.is_available():
@@ -130,6 +128,8 @@ def test_quick_start_runs_as_one_process(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"], out[-3000:]
 
 
+def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
+    """torchrun's 2 processes on a host without CUDA: without use_cpu=True transformers would run
     each process alone; the Trainer must stop on every rank and say to pass use_cpu=True."""
     if torch.cuda.is_available():
         pytest.skip("needs a host without CUDA")
