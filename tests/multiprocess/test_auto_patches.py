@@ -16,21 +16,13 @@ from transformers import AutoModelForCausalLM, Mamba2Config
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm import DPCPCoordinates, build_dp_cp_mesh
 from hf_blockdiag_cp.integrations.accelerate import wrap_model
+from helpers.logs import library_logs
 from helpers.model_packs import family_pack, packed_stock_reference
 from helpers.model_zoo import tiny_config
 from helpers.reference import compare_with_reference
 
 TOL = 1e-4
 APPLIED = "applied the model patch"
-
-
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _unpatched_phi3():
@@ -52,12 +44,7 @@ def unpatched_phi3_case(rank, world_size, group, entry):
     # LongRoPE's short factors while the pack (and the stock run) uses the long ones.
     docs, batch, _, _ = family_pack("phi3", world_size, mixed_longrope=True)
     ref_loss, ref_grads = packed_stock_reference(ref, docs)
-    records = _Records()
-    logger = logging.getLogger("hf_blockdiag_cp")
-    logger.addHandler(records)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with library_logs(logging.INFO) as messages:
         if entry == "wrap_model":
             mesh = build_dp_cp_mesh(DPCPCoordinates(world_size, rank, world_size), "cpu")
             runner, named = wrap_model(model, mesh), None
@@ -72,10 +59,7 @@ def unpatched_phi3_case(rank, world_size, group, entry):
                 loss.backward()
             # Under DDP the gradients are already the mean over the ranks; the mean of equal values is that mean.
             errors.append(compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size))
-    finally:
-        logger.removeHandler(records)
-        logger.setLevel(level)
-    return errors, [m for m in records.messages if APPLIED in m], sorted(model._blockdiag_cp_patches)
+    return errors, [m for m in messages if APPLIED in m], sorted(model._blockdiag_cp_patches)
 
 
 @pytest.mark.parametrize("entry", ["step", "wrap_model"])

@@ -6,26 +6,16 @@ rank of a fresh pool (the notices are once per process, so no earlier test may h
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import PackedBatchSampler
 from helpers.dist_pool import GlooPool
+from helpers.logs import library_logs
 from helpers.reference import build_models, make_pack
 
 WORLD_SIZE = 3
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _no_boundaries(group):
@@ -74,15 +64,10 @@ CASES = {
 
 def fallback_case(rank, world_size, group, case):
     run, _ = CASES[case]
-    handler = _Warnings()
-    logger = logging.getLogger("hf_blockdiag_cp")
-    logger.addHandler(handler)
-    try:
+    with library_logs() as messages:
         for _ in range(2):
             run(group)
-    finally:
-        logger.removeHandler(handler)
-    return handler.messages
+    return messages
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ is per process."""
 
 from __future__ import annotations
 
-import logging
-
 import datasets
 import pytest
 import torch
@@ -17,21 +15,13 @@ from transformers import TrainingArguments
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from helpers.dist_pool import GlooPool
+from helpers.logs import library_logs
 from helpers.reference import build_models, make_pack
 from helpers.sft import char_tokenizer, sft_config, token_documents
 from helpers.trainer import accelerate_env, quiet, tiny_model, trainer_settings
 
 WORLD_SIZE = 2
 STEPS, ACCUMULATION = 2, 2  # 4 packs, all without targets
-
-
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
 
 
 def _config(policy: str):
@@ -48,21 +38,19 @@ def loop_case(rank, world_size, group, policy):
     this rank logged and the losses (or the error with `policy` "raise")."""
     _, model = build_models("llama")
     _, batch = make_pack("straddle", world_size)
-    handler = _Warnings()
-    logging.getLogger("hf_blockdiag_cp").addHandler(handler)
     losses = []
-    try:
-        for pack in (_targetless(batch),) * 3 + (batch,):
-            train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, pack, config=_config(policy), model=model)
-            with train_ctx():
-                loss = model(**local).loss
-                loss.backward()
-            losses.append(float(loss))
-    except ValueError as exc:
-        return str(exc)
-    finally:
-        logging.getLogger("hf_blockdiag_cp").removeHandler(handler)
-    return [m for m in handler.messages if "had labels but no target token" in m], losses
+    with library_logs() as messages:
+        try:
+            for pack in (_targetless(batch),) * 3 + (batch,):
+                train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, pack, config=_config(policy),
+                                                                           model=model)
+                with train_ctx():
+                    loss = model(**local).loss
+                    loss.backward()
+                losses.append(float(loss))
+        except ValueError as exc:
+            return str(exc)
+    return [m for m in messages if "had labels but no target token" in m], losses
 
 
 def trainer_case(rank, world_size, group, trainer, policy):
