@@ -54,8 +54,12 @@ def test_bad_sft_config_raises_naming_the_field(tmp_path, overrides, cp_size, me
 
 
 def test_trainer_refuses_a_bad_config_before_touching_model_or_data(tmp_path):
-    """The max_length check runs first in the constructor: no dataset preparation, no process group."""
-    with pytest.raises(ValueError, match="SFTConfig.max_length is 250"):
+    """The config checks run first in the constructor (no dataset preparation, no process group), the
+    processes against cp_size before the pack size: one process cannot hold a CP group of 2."""
+    with pytest.raises(ValueError, match="SFTConfig.max_length is 251"):
+        BlockdiagCPSFTTrainer(model=tiny_model(), args=sft_config(str(tmp_path), max_length=251),
+                              train_dataset=sft_dataset("text"), processing_class=char_tokenizer(), cp_size=1)
+    with pytest.raises(ValueError, match=r"the launcher started fewer processes \(1\) than the CP size"):
         BlockdiagCPSFTTrainer(model=tiny_model(), args=sft_config(str(tmp_path), max_length=250),
                               train_dataset=sft_dataset("text"), processing_class=char_tokenizer(), cp_size=2)
     with pytest.raises(ValueError, match="args must be a trl.SFTConfig"):

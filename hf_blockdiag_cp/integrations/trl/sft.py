@@ -37,8 +37,10 @@ from .metrics import token_metrics
 from .packs import prepacked_dataloader
 
 
-def check_sft_config(args, cp_size: int) -> None:
-    """Raise ValueError for an `SFTConfig` whose packs cannot run under block-diagonal CP (before any model work)."""
+def check_sft_config(args, cp_size: int, launched: bool = False) -> None:
+    """Raise ValueError for an `SFTConfig` whose packs cannot run under block-diagonal CP (before any model work).
+    With `launched`, the launched processes are checked against `cp_size` too, before the pack size (the
+    order a user fixes them in)."""
     if not isinstance(args, SFTConfig):
         raise ValueError(
             f"args must be a trl.SFTConfig with packing=True and max_length set (the pack size); got {type(args).__name__}"
@@ -49,7 +51,8 @@ def check_sft_config(args, cp_size: int) -> None:
         )
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size <= 0:
         raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
-    check_world(args, cp_size)  # the processes and the CP size before the pack size
+    if launched:
+        check_world(args, cp_size)
     length = args.max_length
     if isinstance(length, bool) or not isinstance(length, int) or length <= 0 or length % (2 * cp_size):
         raise ValueError(
@@ -84,7 +87,7 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
 
     def __init__(self, *args, cp_size: int = 1, cp_config: CPConfig | None = None, cp_mesh=None, **kwargs):
         sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        check_sft_config(sft_args, cp_size)
+        check_sft_config(sft_args, cp_size, launched=True)
         if kwargs.get("data_collator", args[2] if len(args) > 2 else None) is not None:
             raise ValueError(
                 "data_collator must not be given to BlockdiagCPSFTTrainer: TRL's own collator reads its packs "
