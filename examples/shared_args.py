@@ -55,7 +55,8 @@ def fail(reason: str, during_run: bool = False) -> NoReturn:
     and the process exits at once: tearing down a gloo group while the peers fail at the same
     moment can abort a process (status -6 instead of 2)."""
     sys.stdout.flush()
-    print(f"{chr(10) if during_run else ''}error: {reason}", file=sys.stderr, flush=True)
+    newline = "\n" if during_run else ""
+    print(f"{newline}error: {reason}", file=sys.stderr, flush=True)
     if during_run:
         os._exit(2)
     sys.exit(2)
