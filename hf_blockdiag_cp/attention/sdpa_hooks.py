@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..compat.torch import checkpoint_wrapped_module, forbid_in_graph, unwrapped_name
 from ..kernels import canonical_kernel_name
 from ..planning import Layout, plan_layout, validate_document_ids
 from ..step import CPStep, build_step
 from .entry import blockdiag_attention
 
-# The function every spelling of SDPA reaches: F.scaled_dot_product_attention is this builtin.
-_SDPA = torch._C._nn.scaled_dot_product_attention
+# The function every spelling of SDPA reaches: the builtin that torch.nn.functional exports.
+_SDPA = F.scaled_dot_product_attention
 
 
 # --------------------------------------------------------------------------- one pack
@@ -92,7 +93,7 @@ class _CompileRefusal:
         raise RuntimeError(repr(self))
 
 
-_REFUSE_UNDER_COMPILE = torch._dynamo.forbid_in_graph(_CompileRefusal())
+_REFUSE_UNDER_COMPILE = forbid_in_graph(_CompileRefusal())
 
 
 # --------------------------------------------------------------------------- one SDPA call
@@ -184,7 +185,7 @@ class Cp1PackedHooks:
     """The hooks on one model's attention modules and the pack they run (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, attention_modules: list[torch.nn.Module]):
-        names = {id(m): n.replace("._checkpoint_wrapped_module", "") for n, m in model.named_modules()}
+        names = {id(m): unwrapped_name(n) for n, m in model.named_modules()}
         self.attention_modules = list(attention_modules)
         self._labels = {id(m): f"{names[id(m)] or '<root>'} ({type(m).__name__})" if id(m) in names
                         else type(m).__name__ for m in self.attention_modules}
@@ -313,8 +314,8 @@ def _is_attention_module(module: torch.nn.Module) -> bool:
 
 def _inner(module: torch.nn.Module) -> torch.nn.Module:
     """The module a checkpoint wrapper recomputes (hooks there fire again during backward)."""
-    while hasattr(module, "_checkpoint_wrapped_module"):
-        module = module._checkpoint_wrapped_module
+    while (wrapped := checkpoint_wrapped_module(module)) is not None:
+        module = wrapped
     return module
 
 
@@ -329,7 +330,7 @@ def attach_cp1_packed_varlen_hooks(
     found or one is already hooked."""
     if modules is None:
         keep = module_filter or _is_attention_module
-        modules = [m for m in model.modules() if keep(m) and not hasattr(m, "_checkpoint_wrapped_module")]
+        modules = [m for m in model.modules() if keep(m) and checkpoint_wrapped_module(m) is None]
     targets = []
     for m in modules:
         inner = _inner(m)

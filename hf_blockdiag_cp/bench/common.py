@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from ..compat.torch import cuda_sleep
+
 
 def lognormal_lengths(total: int, mean: float, sigma: float = 1.0, seed: int = 0, cap: int | None = None) -> list[int]:
     """Document lengths drawn log-normally with the given mean, cut so they sum exactly to `total`."""
@@ -162,7 +164,7 @@ def time_queued(fns: dict[str, Callable[[], None]], calls: int = 5, rounds: int 
             fn()  # re-warm after the previous method
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(2_000_000)  # ~1 ms of device work, so the host's first launch is queued in time
+            cuda_sleep(2_000_000)  # ~1 ms of device work, so the host's first launch is queued in time
             start.record()
             for _ in range(calls):
                 fn()
@@ -170,16 +172,6 @@ def time_queued(fns: dict[str, Callable[[], None]], calls: int = 5, rounds: int 
             torch.cuda.synchronize()
             per_call[name].append(start.elapsed_time(end) / calls)
     return {name: statistics.median(r) for name, r in per_call.items()}
-
-
-def compile_counters() -> dict[str, int]:
-    """Dynamo's running totals (frames compiled, graphs compiled): the difference over a call says
-    how much compiling that call did. `TORCH_LOGS=recompiles` prints why a frame was recompiled."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:  # pragma: no cover - dynamo is part of every supported torch
-        return {}
-    return {"frames_compiled": int(counters["frames"]["ok"]), "graphs_compiled": int(counters["stats"]["unique_graphs"])}
 
 
 def environment() -> dict:

@@ -207,7 +207,7 @@ def run(args) -> list[dict]:
     for seq_len in args.seq_lens:
         # Every length compiles from scratch (static shapes, as a run at one pack length does): a
         # recompile to dynamic shapes would hit whichever method met the new length first.
-        torch._dynamo.reset()
+        torch.compiler.reset()
         lengths, q, k, v, grad = _inputs(args, seq_len, device, dtype)
         methods, references, plan_ms = _methods(args, lengths, q, k, v, device)
         timings, queued = _timings(args, methods, references, grad)

@@ -27,8 +27,9 @@ import time
 import torch
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
+from ..compat.torch import compile_counters
 from ..integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
-from .common import compile_counters, environment, line_plot, lognormal_lengths, markdown_table, profile_table, write_json
+from .common import environment, line_plot, lognormal_lengths, markdown_table, profile_table, write_json
 from .model_hybrid import CONFIGS, TIMING_DEFAULTS, Models, build_models, padded_batches, padded_step
 
 HF_IMPLS = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "hf_padded": "sdpa"}
@@ -262,10 +263,8 @@ def dynamo_settings(args) -> contextlib.AbstractContextManager:
     back to eager if they still run out. Restored when the run ends."""
     if args.compile == "none":
         return contextlib.nullcontext()
-    import torch._dynamo
-
-    return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64),
-                                      fail_on_recompile_limit_hit=True)
+    config = torch.compiler.config
+    return config.patch(recompile_limit=max(config.recompile_limit, 64), fail_on_recompile_limit_hit=True)
 
 
 def main(args) -> None:

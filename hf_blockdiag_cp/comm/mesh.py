@@ -74,8 +74,8 @@ class DPCPCoordinates:
 
 @dataclass(frozen=True)
 class DPCPMesh:
-    """The 2-D `("dp", "cp")` DeviceMesh and its flattened 1-D `"dp_cp"` mesh (kept here: slicing a
-    flattened dimension back out of the root mesh is deprecated in torch)."""
+    """The 2-D `("dp", "cp")` DeviceMesh and the 1-D `"dp_cp"` mesh of all its ranks in the same order
+    (global rank = dp_rank * cp_size + cp_rank)."""
 
     mesh: object  # DeviceMesh ("dp", "cp")
     dp_cp: object  # DeviceMesh ("dp_cp",): all ranks, what DDP / FSDP2 reduce over
@@ -91,13 +91,14 @@ class DPCPMesh:
 
 
 def build_dp_cp_mesh(coords: DPCPCoordinates, device_type: str) -> DPCPMesh:
-    """`init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))` plus its flattened
-    `"dp_cp"` mesh. A world of one process gets a mesh of size 1 (a CP group of one: the step runs
-    unsharded), over a one-process group this call starts when none exists, so `python train.py`
-    and a launcher run the same code. Raises if the mesh places this rank elsewhere than `coords`
+    """`init_device_mesh(device_type, (dp, cp), mesh_dim_names=("dp", "cp"))` plus the `"dp_cp"` mesh
+    of all ranks, over the default process group (accelerate flattens its mesh instead, through
+    torch internals). A world of one process gets a mesh of size 1 (a CP group of one: the step
+    runs unsharded), over a one-process group this call starts when none exists, so `python
+    train.py` and a launcher run the same code. Raises if the mesh places this rank elsewhere than `coords`
     (every other part of the library assumes CP fastest-varying)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if coords.world_size == 1 and not dist.is_initialized():
         # No launcher: a process group of this process alone (an in-memory store, no network).
@@ -110,4 +111,4 @@ def build_dp_cp_mesh(coords: DPCPCoordinates, device_type: str) -> DPCPMesh:
             f"DeviceMesh placed rank {coords.rank} at (dp, cp) = {placed}; expected "
             f"{(coords.dp_rank, coords.cp_rank)} with cp fastest-varying"
         )
-    return DPCPMesh(mesh, mesh["dp", "cp"]._flatten("dp_cp"))  # as accelerate does for dp_shard_cp
+    return DPCPMesh(mesh, DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp_cp",)))

@@ -18,7 +18,7 @@ What we chose, and why:
   causal document per row), which would shard the batch a second time and let packed
   documents attend to each other.
 - **Gradient reduction is the engine's job**: DDP over all dp×cp ranks, or FSDP2
-  `fully_shard` over the flattened `dp_cp` mesh (accelerate's `dp_shard_cp`). Both average
+  `fully_shard` over the `dp_cp` mesh of all ranks (accelerate's `dp_shard_cp`). Both average
   gradients over the dp×cp ranks; the training loop only scales each rank's loss (I2).
 """
 
@@ -132,7 +132,7 @@ def init_distributed(cp_size: int | None = None, cpu: bool | None = None) -> Dis
 
 
 def wrap_model(model: nn.Module, mesh: DPCPMesh | None, fsdp: bool = False) -> nn.Module:
-    """DDP over all dp×cp ranks, or FSDP2 `fully_shard` (each decoder layer, then the root) over the flattened mesh.
+    """DDP over all dp×cp ranks, or FSDP2 `fully_shard` (each decoder layer, then the root) over the `dp_cp` mesh.
 
     First the model gets the model patches it needs (`apply_model_patches`; a model type the
     library refuses raises NotImplementedError). Either way gradients are *averaged* over the

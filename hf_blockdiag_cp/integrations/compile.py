@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..compat.transformers import checkpoint_function, set_checkpoint_function
+
 REGIONS = ("model", "layers")
 
 
@@ -29,7 +31,7 @@ def _run(function, *args):
 
 
 class CompiledCheckpointBody:
-    """A layer's `_gradient_checkpointing_func` whose checkpointed body runs compiled.
+    """A layer's checkpoint function (`compat.transformers.checkpoint_function`) whose body runs compiled.
 
     `checkpoint_func` is the function Transformers installed (a `functools.partial` of
     `torch.utils.checkpoint.checkpoint`); its keyword arguments stay readable as `keywords` (the
@@ -75,14 +77,14 @@ def compile_checkpointed_layers(model: torch.nn.Module, **compile_kwargs) -> int
     body = None
     count = 0
     for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
+        func = checkpoint_function(module)
         if not getattr(module, "gradient_checkpointing", False) or func is None:
             continue
         if body is None:
             body = torch.compile(_run, **compile_kwargs)
         if isinstance(func, CompiledCheckpointBody):
             func = func.checkpoint_func
-        module._gradient_checkpointing_func = CompiledCheckpointBody(func, body)
+        set_checkpoint_function(module, CompiledCheckpointBody(func, body))
         count += 1
     return count
 

@@ -22,6 +22,8 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..compat.transformers import checkpoint_function, set_checkpoint_function
+
 
 def _mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m.mlp for m in model.modules() if isinstance(getattr(m, "mlp", None), torch.nn.Module)]
@@ -211,7 +213,7 @@ def enable_checkpoint_offload(model: torch.nn.Module) -> int:
                          "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
     offload = None
     for layer in layers:
-        outer = layer._gradient_checkpointing_func
+        outer = checkpoint_function(layer)
         func = getattr(outer, "checkpoint_func", outer)  # compile_model's wrapper keeps the function it wraps
         if isinstance(func, CheckpointOffload):
             continue
@@ -221,7 +223,7 @@ def enable_checkpoint_offload(model: torch.nn.Module) -> int:
                              "torch.utils.checkpoint.checkpoint with use_reentrant=False")
         offload = offload or CheckpointOffload(keywords)
         if outer is func:
-            layer._gradient_checkpointing_func = offload
+            set_checkpoint_function(layer, offload)
         else:
             outer.checkpoint_func = offload
     return len(layers)

@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..compat.torch import compiled_module
+
 
 @dataclass(frozen=True)
 class ModelSupport:
@@ -46,11 +48,11 @@ def _support() -> ModelSupport:
 
 def configured_model(model) -> Any:
     """The module that holds `model`'s config: `model` itself, or the one inside a DDP (`module`) or
-    `torch.compile` (`_orig_mod`) wrapper; None when there is none."""
+    `torch.compile` wrapper; None when there is none."""
     for _ in range(8):  # wrappers nest a few deep at most (DDP around a compiled model ...)
         if getattr(model, "config", None) is not None:
             return model
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) or compiled_module(model)
         if inner is None:
             return None
         model = inner

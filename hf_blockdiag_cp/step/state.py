@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..comm.exchange import ExchangeMeter
+from ..compat.transformers import attn_implementation as config_attn_implementation
 from ..kernels.lse import merge_into
 from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
 from .model_support import configured_model
@@ -323,8 +324,8 @@ class CPStep:
 
 
 def attn_implementation(model) -> Any:
-    """`config._attn_implementation` of `model` (inside a DDP / compile wrapper), or None without a config."""
-    return getattr(getattr(configured_model(model), "config", None), "_attn_implementation", None)
+    """The attention implementation of `model`'s config (inside a DDP / compile wrapper), or None without a config."""
+    return config_attn_implementation(getattr(configured_model(model), "config", None))
 
 
 def _no_attention_cause(model) -> str:
@@ -338,13 +339,13 @@ def _no_attention_cause(model) -> str:
     impl = attn_implementation(model)
     if impl != ATTN_IMPLEMENTATION:
         return (
-            f"The model's config._attn_implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. Load it with "
+            f"The model's attention implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. Load it with "
             f"attn_implementation={ATTN_IMPLEMENTATION!r}; if it was switched after loading (e.g. by "
             "set_attn_implementation() on another model that shares this config object), call "
             f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}) and give the other model its own config"
         )
     return (
-        f"The model's config._attn_implementation is {impl!r}, so its forward did not run in this step: run "
+        f"The model's attention implementation is {impl!r}, so its forward did not run in this step: run "
         "model(**local) and its backward inside `with train_ctx():`, with the local batch of this step"
     )
 

@@ -149,6 +149,7 @@ def compiled_case(rank, world_size, group, arg_overrides):
     """The dp1 x cp2 run with `torch_compile=True` (aot_eager: inductor is slow on this CPU)."""
     import torch._dynamo
 
+    from hf_blockdiag_cp.compat.transformers import checkpoint_function
     from hf_blockdiag_cp.integrations.compile import CompiledCheckpointBody
 
     torch._dynamo.reset()
@@ -163,8 +164,8 @@ def compiled_case(rank, world_size, group, arg_overrides):
         result = outcome(trainer, initial, output)
         result["totals"] = totals.totals
         result["eval"] = trainer.evaluate(eval_docs())  # sharded, through the compiled model
-        result["compiled_bodies"] = sum(isinstance(getattr(layer, "_gradient_checkpointing_func", None), CompiledCheckpointBody)
-                                         for layer in model.model.layers)
+        result["compiled_bodies"] = sum(isinstance(checkpoint_function(layer), CompiledCheckpointBody)
+                                        for layer in model.model.layers)
         result["wrapped"] = type(trainer.model_wrapped).__name__
     return result
 
@@ -227,7 +228,7 @@ def setup_error_case(rank, world_size, group, mistake):
 @pytest.mark.parametrize(
     "mistake,expected",
     [
-        ("attn", "_attn_implementation is 'sdpa'; expected 'blockdiag_cp'"),
+        ("attn", "attention implementation is 'sdpa'; expected 'blockdiag_cp'"),
         ("use_cache", "use_cache is True; expected False"),
         ("batch_size", "per_device_train_batch_size is 2; expected 1"),
         ("reentrant", "use_reentrant=True; expected {'use_reentrant': False}"),

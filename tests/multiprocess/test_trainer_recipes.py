@@ -19,20 +19,8 @@ from transformers import TrainerCallback
 from hf_blockdiag_cp.data import PackedBatchSampler, dataset_lengths
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from helpers.trainer import accelerate_env, quiet, tiny_model
-from helpers.trainer_reference import (
-    LOSS_TOL,
-    MAX_TOKENS,
-    PACKS_PER_STEP,
-    STEPS,
-    assert_same_training,
-    eval_docs,
-    outcome,
-    reference_case,
-    stock_eval_loss,
-    train_docs,
-    training_args,
-    with_lora,
-)
+from helpers.trainer_reference import LOSS_TOL, MAX_TOKENS, PACKS_PER_STEP, STEPS, assert_same_training, eval_docs
+from helpers.trainer_reference import outcome, reference_case, stock_eval_loss, train_docs, training_args, with_lora
 
 SAVE_STEPS = 3  # the checkpoint resumed from: mid-epoch
 RESUME_STEPS = 8  # past the end of the first epoch

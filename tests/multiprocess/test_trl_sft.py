@@ -30,6 +30,7 @@ pytest.importorskip("datasets")
 from trl import SFTTrainer  # noqa: E402
 
 from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
+from hf_blockdiag_cp.integrations.trl import metrics as trl_metrics  # noqa: E402
 from helpers.sft import (  # noqa: E402
     ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, reference_documents, sft_config, sft_dataset, stock_loss,
     stock_token_metrics,
@@ -112,6 +113,7 @@ def test_masked_tokens_carry_no_loss(gloo, kind):
 
 
 TOKEN_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
+reduce_rows = trl_metrics.sum_over_world
 
 
 def train_case(rank, world_size, group, cp_size, stock=False, transformers_version=None, lora=False, **overrides):
@@ -134,7 +136,14 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
         trainer = quiet(SFTTrainer(**kwargs) if stock else
                         BlockdiagCPSFTTrainer(**kwargs, eval_dataset=sft_dataset("text"), cp_size=cp_size))
         initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}  # with TRL's adapters
-        trainer.train()
+        reductions = []  # rows of TRL's token metrics per all-reduce
+
+        def counting(values, world_size):
+            reductions.append(values.shape[0])
+            return reduce_rows(values, world_size)
+
+        with mock.patch.object(trl_metrics, "sum_over_world", counting):
+            trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
         rows = {name: [{"input_ids": r["input_ids"], "seq_lengths": r["seq_lengths"]} for r in data]
@@ -143,7 +152,8 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
         evaluated = None if stock else trainer.evaluate()
         return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
                 "weights": weights, "initial": initial, "packs": len(trainer.train_dataset), "rows": rows,
-                "metrics": [{k: h.get(k) for k in TOKEN_METRICS} for h in logs], "eval": evaluated}
+                "metrics": [{k: h.get(k) for k in TOKEN_METRICS} for h in logs], "eval": evaluated,
+                "reductions": reductions}
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +205,8 @@ def test_training_and_eval_log_trl_token_metrics(cp_training, stock_training):
     epoch_tokens = sum(len(ids) for ids, _ in reference_documents("text"))
     at_start = stock_token_metrics(cp_training[0]["rows"]["train"], "text")
     for rank, got in enumerate(cp_training):
+        # one all-reduce per log, of one row per micro-batch (every pack of the epoch: one step is one epoch)
+        assert got["reductions"] == [len(got["rows"]["train"])] * STEPS, (rank, got["reductions"])
         assert [m["num_tokens"] for m in got["metrics"]] == [epoch_tokens * step for step in range(1, STEPS + 1)], (
             f"rank {rank}: num_tokens {[m['num_tokens'] for m in got['metrics']]}; expected {epoch_tokens} per step")
         assert_token_metrics(got["metrics"][0], at_start, f"rank {rank} step 1")

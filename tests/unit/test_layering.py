@@ -1,5 +1,6 @@
 """The package's layers (docs/design.md, "Package layout"): each depends only on those below it,
-planning imports neither torch.distributed nor any other layer, and the root exports the user's names."""
+planning imports neither torch.distributed nor any other layer (not even `compat`, the upstream
+internals), and the root exports the user's names."""
 
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ REPO = Path(__file__).resolve().parents[2]
 # model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
 PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data",
+LAYERS = ["compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data",
           "integrations", "bench"]
 BELOW = {
+    "compat": set(),  # the upstream internals the library reads; every layer but the pure planning may use it
     "planning": set(),
-    "comm": {"planning"},
-    "kernels": {"planning"},
-    "config": {"planning", "comm", "kernels"},
-    "step": {"planning", "comm", "kernels", "config"},
-    "attention": {"planning", "comm", "kernels", "step"},
-    "mixers": {"planning", "comm", "kernels", "config", "step"},
-    "model_patches": {"planning", "comm", "kernels", "config", "step", "attention", "mixers"},
-    "data": {"config", "planning", "comm", "step"},
-    "integrations": {"planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data"},
+    "comm": {"compat", "planning"},
+    "kernels": {"compat", "planning"},
+    "config": {"compat", "planning", "comm", "kernels"},
+    "step": {"compat", "planning", "comm", "kernels", "config"},
+    "attention": {"compat", "planning", "comm", "kernels", "step"},
+    "mixers": {"compat", "planning", "comm", "kernels", "config", "step"},
+    "model_patches": {"compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers"},
+    "data": {"compat", "config", "planning", "comm", "step"},
+    "integrations": {"compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches",
+                     "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
 

@@ -89,7 +89,7 @@ def test_no_attention_error_names_the_models_current_attn_implementation():
     other.set_attn_implementation("eager")
     _, batch = make_pack("straddle", 1)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
-    with pytest.raises(RuntimeError, match=r"config._attn_implementation is 'eager'; expected 'blockdiag_cp'.*"
+    with pytest.raises(RuntimeError, match=r"attention implementation is 'eager'; expected 'blockdiag_cp'.*"
                                            r"shares this config object"):
         with train_ctx():
             model(**local).loss.backward()

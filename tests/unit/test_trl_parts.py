@@ -20,7 +20,7 @@ from hf_blockdiag_cp.integrations.trl import (  # noqa: E402
     check_sft_config,
     prepacked_dataloader,
 )
-from hf_blockdiag_cp.integrations.trl.metrics import token_metrics  # noqa: E402
+from hf_blockdiag_cp.integrations.trl.metrics import TokenMetrics  # noqa: E402
 from hf_blockdiag_cp.step import SHARD_KEY, shard_batch  # noqa: E402
 from helpers.sft import char_tokenizer, sft_config, sft_dataset  # noqa: E402
 from helpers.trainer import tiny_model  # noqa: E402
@@ -138,22 +138,32 @@ def test_sampler_deals_every_row_once_per_epoch_to_the_replicas():
 # --------------------------------------------------------------------------- token metrics, one rank
 
 
-def test_token_metrics_count_the_targets_and_the_real_tokens():
-    """Targets are the positions whose shifted label is not -100: accuracy = targets whose label is the
-    argmax, entropy = mean next-token entropy over them (TRL's definitions, computed here by hand);
-    `num_tokens` the non-padding tokens; a fill pack adds nothing; no logits (fused cross-entropy):
-    `num_tokens` only; no targets: 0.0, as TRL logs it."""
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    p = torch.softmax(logits.double(), -1)
+    return -(p * p.log()).sum(-1)
+
+
+def test_token_metrics_average_each_micro_batch_as_trl_does():
+    """One row of sums per micro-batch; at `pop`, per micro-batch: accuracy = targets whose label is
+    the argmax / targets, entropy = mean next-token entropy over the targets (TRL's definitions,
+    computed here by hand), then the mean over the micro-batches, as TRL's `log` averages them. A fill
+    pack or a micro-batch without targets counts 0.0 (as TRL logs it); one without logits (fused
+    cross-entropy) is left out; `pop` empties the mode."""
     logits = torch.tensor([[[2.0, 0.0, 0.0], [0.0, 1.0, 3.0], [1.0, 1.0, 0.0], [5.0, 0.0, 0.0], [0.0, 0.0, 0.0]]])
     labels = torch.tensor([[0, 1, -100, 2, -100]])  # targets at rows 0, 1, 3; only row 0's label is the argmax
-    document_ids = torch.tensor([[1, 1, 2, 2, 0]])
-    p = torch.softmax(logits[0, [0, 1, 3]].double(), -1)
-    entropy = float(-(p * p.log()).sum(-1).mean())
-    got = token_metrics(logits, labels, document_ids, world_size=1)
-    assert got["num_tokens"] == 4, f"num_tokens is {got['num_tokens']}; expected 4 (the non-padding tokens)"
-    assert abs(got["mean_token_accuracy"] - 1 / 3) <= 1e-12, f"mean_token_accuracy is {got['mean_token_accuracy']}"
-    assert abs(got["entropy"] - entropy) <= 1e-6, f"entropy is {got['entropy']}; expected {entropy}"
-    assert token_metrics(logits, labels, document_ids, 1, fill=True) == {
-        "num_tokens": 0, "mean_token_accuracy": 0.0, "entropy": 0.0}
-    assert token_metrics(None, labels, document_ids, 1) == {"num_tokens": 4}
-    none = torch.full_like(labels, -100)
-    assert token_metrics(logits, none, document_ids, 1) == {"num_tokens": 4, "mean_token_accuracy": 0.0, "entropy": 0.0}
+    second = torch.tensor([[[0.0, 4.0, 1.0], [3.0, 0.0, 0.0]]])
+    second_labels = torch.tensor([[1, -100]])  # one target, its label the argmax
+    metrics = TokenMetrics()
+    metrics.add("train", logits, labels)
+    metrics.add("train", second, second_labels)
+    metrics.add("train", None, second_labels)  # no logits: no accuracy or entropy for it
+    got = metrics.pop("train", world_size=1)
+    want_entropy = (float(_entropy(logits[0, [0, 1, 3]]).mean()) + float(_entropy(second[0, :1]).mean())) / 2
+    assert abs(got["mean_token_accuracy"] - (1 / 3 + 1) / 2) <= 1e-12, got
+    assert abs(got["entropy"] - want_entropy) <= 1e-6, (got, want_entropy)
+    assert metrics.pop("train", 1) == {} and metrics.rows["train"] == []
+    metrics.add("eval", logits, labels, fill=True)
+    metrics.add("eval", logits, torch.full_like(labels, -100))
+    assert metrics.pop("eval", 1) == {"mean_token_accuracy": 0.0, "entropy": 0.0}
+    metrics.add("train", None, labels)
+    assert metrics.pop("train", 1) == {}

@@ -20,6 +20,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 
 from ...comm import resolve_cp_group
 from ...comm.exchange import all_gather_single
@@ -176,7 +177,7 @@ class ShardedEvaluationMixin:
         try:
             with torch.no_grad(), self._eval_forward_context():
                 for j, (batch, repeat) in enumerate(zip(loader, repeats)):
-                    inputs = self._prepare_inputs(self._local_batch(batch))
+                    inputs = send_to_device(self._local_batch(batch), self.args.device)
                     train_ctx, local, layout = make_cp_blockdiag_batch_and_ctx(
                         self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config,
                         model=model,

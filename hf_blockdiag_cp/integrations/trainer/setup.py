@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.consensus import collective_device
+from ...compat.transformers import attn_implementation, checkpoint_function
 from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh, world_size_error
 from ...data.collator import BlockdiagCPCollator
 from ...data.packing import oversize_policy
@@ -61,7 +62,7 @@ def activation_checkpointing_reentrant(model: torch.nn.Module) -> bool | None:
     if not active:
         return None
     for module in active:
-        func = getattr(module, "_gradient_checkpointing_func", None)
+        func = checkpoint_function(module)
         keywords = getattr(func, "keywords", None) or {}
         if keywords.get("use_reentrant", True) is not False:
             return True
@@ -89,10 +90,10 @@ def check_model_setup(model, world_size: int, cp_size: int, activation_checkpoin
     configs = _configs(model)
     if not configs:
         raise ValueError(f"model ({type(model).__name__}) has no `config`; a Transformers PreTrainedModel is expected")
-    impl = getattr(configs[0], "_attn_implementation", None)
+    impl = attn_implementation(configs[0])
     if impl != ATTN_IMPLEMENTATION:
         raise ValueError(
-            f"model.config._attn_implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. `import hf_blockdiag_cp`, "
+            f"the model's attention implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r}. `import hf_blockdiag_cp`, "
             f"then load with attn_implementation={ATTN_IMPLEMENTATION!r} or call "
             f"model.set_attn_implementation({ATTN_IMPLEMENTATION!r}); any other implementation attends only "
             "inside each rank's shard"

@@ -17,8 +17,10 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
   Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
   multiplication by the number of processes, which differ between Transformers versions.
 - `evaluate` / `predict`: sharded, from `ShardedEvaluationMixin` (evaluation.py).
-- `_wrap_model`: with `torch_compile`, the bodies of checkpointed layers compile inside their
-  checkpoint (`integrations.compile`); accelerate compiles the model as usual.
+- `loss_is_scaled_for_ga`: True where the Trainer reads it (transformers >= 5.19); earlier
+  Trainers decide from the `num_items_in_batch` the mixin passes.
+With `torch_compile`, a callback compiles the bodies of checkpointed layers inside their
+checkpoint when training begins (`integrations.compile`); accelerate compiles the model as usual.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import Trainer
+from accelerate.utils import send_to_device
+from transformers import Trainer, TrainerCallback
 
 from ...comm.consensus import agree
 from ...comm.mesh import DPCPCoordinates
+from ...compat.transformers import trainer_reads_loss_scaling_flag
 from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
@@ -64,8 +68,12 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
     Do not pass `data_collator`: training batches come from the packed dataloader.
     """
 
-    # The loss from compute_loss is already normalised over the whole optimizer step (I2).
-    loss_is_scaled_for_ga = True
+    @property
+    def loss_is_scaled_for_ga(self) -> bool | None:
+        """True: the loss from `compute_loss` is already normalised over the whole optimizer step (I2).
+        None where the Trainer never reads it (transformers < 5.19), so that TRL's trainers there do
+        not turn it into a placeholder `compute_loss_func` (which the setup checks would refuse)."""
+        return True if trainer_reads_loss_scaling_flag() else None
 
     def __init__(
         self,
@@ -100,7 +108,10 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         super().__init__(*args, **kwargs)
         apply_model_patches(self.model)  # per-family patches (Phi-3 global RoPE, ...); idempotent
         self.add_callback(self.cp_callback)
+        if self.args.torch_compile:
+            self.add_callback(_CompileCheckpointedBodies(self.accelerator.state.dynamo_plugin.to_kwargs()))
         check_trainer_setup(self, cp_size)
+        self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
         self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
 
@@ -180,23 +191,15 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         tally, targetless = sum_over_world(torch.cat([tally, targetless]), c.world_size).split([tally.numel(), 1])
         self._note_packs_without_targets(int(targetless))
         self.cp_callback.record(tally[2:].tolist(), int(tally[1]))
+        self.cp_tokens_trained += int(tally[2:].sum())
         num_items = torch.tensor(float(max(int(tally[0]), 1)), device=device) if batches else None
         return batches, num_items
-
-    # ---------------------------------------------------------------- compile
-
-    def _wrap_model(self, model, training: bool = True, dataloader=None):
-        """With `torch_compile`, checkpointed layers get their body compiled inside the checkpoint
-        (accelerate compiles the model next; a checkpoint around a graph break would stay eager)."""
-        if training and self.args.torch_compile:
-            compile_checkpointed_layers(self.model, **self.accelerator.state.dynamo_plugin.to_kwargs())
-        return super()._wrap_model(model, training, dataloader)
 
     # ---------------------------------------------------------------- step and loss
 
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None):
         """Shard step, then the stock step (forward + backward) inside the step context."""
-        inputs = self._prepare_inputs(self._local_batch(inputs))
+        inputs = send_to_device(self._local_batch(inputs), self.args.device)
         train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
             self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config, model=model
         )
@@ -234,7 +237,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         """The stock `train`; its returned `training_loss` is the averaged `train_loss` (see `log`)."""
         output = super().train(*args, **kwargs)
         if "train_loss" in output.metrics:
-            output = output._replace(training_loss=output.metrics["train_loss"])
+            output = type(output)(output.global_step, output.metrics["train_loss"], output.metrics)
         return output
 
     def _mean_over_world(self, value: float) -> float:
@@ -258,3 +261,15 @@ def _without_targets(batch: dict) -> bool:
 
 class BlockdiagCPTrainer(BlockdiagCPTrainerMixin, Trainer):
     """`transformers.Trainer` with block-diagonal CP on packed data (see `BlockdiagCPTrainerMixin`)."""
+
+
+class _CompileCheckpointedBodies(TrainerCallback):
+    """With `torch_compile`: when training begins (activation checkpointing on, which installs fresh
+    checkpoint functions; the model compiled by accelerate; no forward yet), each checkpointed
+    layer's body compiles inside its checkpoint, which would otherwise keep it eager."""
+
+    def __init__(self, compile_kwargs: dict):
+        self.compile_kwargs = compile_kwargs
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        compile_checkpointed_layers(model, **self.compile_kwargs)

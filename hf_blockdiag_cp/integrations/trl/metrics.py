@@ -1,8 +1,11 @@
-"""TRL's token metrics (`mean_token_accuracy`, `entropy`, `num_tokens`) under block-diagonal CP.
+"""TRL's token metrics (`mean_token_accuracy`, `entropy`) under block-diagonal CP.
 
-TRL's `SFTTrainer.compute_loss` records them per micro-batch from its fused LM head and its
-`log` averages them; `BlockdiagCPSFTTrainer` computes the loss the model's own way, so it
-records the same metrics from the model's logits with `token_metrics`, combined over the ranks.
+TRL's `SFTTrainer.compute_loss` computes them per micro-batch from its fused LM head, gathered over
+the processes, and its `log` averages the micro-batches' values. `BlockdiagCPSFTTrainer` computes
+the loss the model's own way, so `TokenMetrics` takes the same sums from the model's logits: each
+micro-batch (or eval round) of a rank adds one row of sums on its device, no host sync; when the
+trainer logs, ONE all-reduce adds the rows of every rank, and the metrics are averaged over the rows
+as TRL averages them.
 """
 
 from __future__ import annotations
@@ -13,40 +16,49 @@ from trl.trainer.utils import entropy_from_logits
 from ...step import IGNORE_INDEX
 from ..trainer.setup import sum_over_world
 
-def token_metrics(logits: torch.Tensor | None, shift_labels: torch.Tensor, document_ids: torch.Tensor,
-                  world_size: int, fill: bool = False) -> dict[str, float | int]:
-    """TRL's token metrics of one CP step (one micro-batch or eval round), over every rank.
+MODES = ("train", "eval")
 
-    Each rank holds only its shard of each pack: `logits` [1, L, V] (None where the forward built
-    none: Liger's fused cross-entropy in training), `shift_labels` [1, L] (the labels the shard
-    step shifted on the global pack: row i's target, -100 for none) and `document_ids` [1, L]
-    (0 = padding). The rank sums its targets (labels != -100), the targets whose label is the
-    first argmax of the logits (TRL's `is_top1`), the entropy of the next-token distribution over
-    its targets (TRL's `entropy_from_logits`: chunked, its fused kernel where Triton runs) and its
-    real tokens; ONE SUM all-reduce over every rank then adds the shards of
-    each pack (the CP group; the shards are disjoint) and the packs of the DP replicas (what TRL
-    gathers with `accelerator.gather`). As TRL: accuracy = correct / targets and entropy =
-    entropy sum / targets, 0.0 without targets. `num_tokens` is the real tokens of every pack
-    once, not once per CP rank. A `fill` pack (one that only fills the DP replicas' last eval
-    round) adds nothing but still joins the all-reduce, as every rank must.
 
-    Returns {"num_tokens"} plus, when every rank had logits, {"mean_token_accuracy", "entropy"}.
+class TokenMetrics:
+    """This rank's rows of token sums since the last log, per mode ("train", "eval").
+
+    A row: targets (labels != -100), targets whose label is the first argmax of the logits (TRL's
+    `is_top1`), the entropy of the next-token distribution summed over the targets (TRL's
+    `entropy_from_logits`), and 1 if the forward built logits (Liger's fused cross-entropy builds
+    none in training). Every rank adds the same number of rows between two logs (the CP steps run in
+    lockstep), so row i of every rank belongs to the same micro-batch.
     """
-    sums = torch.zeros(5, dtype=torch.float64)  # targets, correct, entropy sum, real tokens, ranks with logits
-    sums[4] = logits is not None
-    if not fill:
+
+    def __init__(self):
+        self.rows: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+
+    def add(self, mode: str, logits: torch.Tensor | None, shift_labels: torch.Tensor, fill: bool = False) -> None:
+        """One CP step of this rank: its shard's `logits` [1, L, V] (or None) and `shift_labels` [1, L]
+        (row i's target on the global pack, -100 for none). A `fill` pack (one that only fills the DP
+        replicas' last eval round) adds a row of zeros, as every rank must add a row."""
         labels = shift_labels.reshape(-1)
-        where = labels.ne(IGNORE_INDEX).nonzero().squeeze(1)
-        sums[0], sums[3] = where.numel(), int(document_ids.gt(0).sum())
-        if logits is not None and where.numel():
-            rows = logits.detach().reshape(labels.numel(), -1)
-            with torch.no_grad():
-                correct = rows.argmax(dim=-1)[where].eq(labels[where]).sum()
-                entropy = entropy_from_logits(rows)[where].sum(dtype=torch.float64)  # TRL's own, in row chunks
-            sums[1:3] = torch.stack([correct.double(), entropy]).cpu()
-    targets, correct, entropy, tokens, with_logits = sum_over_world(sums, world_size).tolist()
-    metrics: dict[str, float | int] = {"num_tokens": int(tokens)}
-    if with_logits == world_size:
-        metrics["mean_token_accuracy"] = correct / targets if targets else 0.0
-        metrics["entropy"] = entropy / targets if targets else 0.0
-    return metrics
+        row = torch.zeros(4, dtype=torch.float64, device=labels.device)
+        row[3] = logits is not None
+        if not fill:
+            mask = labels.ne(IGNORE_INDEX)
+            row[0] = mask.sum()
+            if logits is not None:
+                rows = logits.detach().reshape(labels.numel(), -1)
+                with torch.no_grad():
+                    row[1] = (rows.argmax(dim=-1).eq(labels) & mask).sum()
+                    row[2] = torch.where(mask, entropy_from_logits(rows).double(), 0.0).sum()  # TRL's own, chunked
+        self.rows[mode].append(row)
+
+    def pop(self, mode: str, world_size: int) -> dict[str, float]:
+        """TRL's averages of the rows since the last log, over every rank; empty without rows. A
+        collective when there are rows: call it on every rank at the same log."""
+        rows, self.rows[mode] = self.rows[mode], []
+        if not rows:
+            return {}
+        sums = sum_over_world(torch.stack(rows), world_size).tolist()  # one all-reduce
+        kept = [(targets, correct, entropy) for targets, correct, entropy, with_logits in sums if with_logits == world_size]
+        if not kept:
+            return {}
+        accuracy = [correct / targets if targets else 0.0 for targets, correct, _ in kept]
+        entropy = [entropy / targets if targets else 0.0 for targets, _, entropy in kept]
+        return {"mean_token_accuracy": sum(accuracy) / len(kept), "entropy": sum(entropy) / len(kept)}

@@ -15,11 +15,12 @@ the mixin's dp x cp mesh, so TRL's check never fires.
 
 The loss is the model's own, as in `BlockdiagCPTrainer`: TRL's `compute_loss` (its fused LM head,
 `loss_type="dft"`) is not used. TRL's metrics are logged as TRL logs them: `num_tokens` (the
-real tokens trained on so far, each pack's once, not once per CP rank), `mean_token_accuracy`
-and `entropy` (over the targets, label != -100, of every rank's shard, combined over the CP group
-and the DP replicas: `metrics.token_metrics`), in training logs and as `eval_*` in `evaluate`'s
-metrics. Accuracy and entropy need the model's logits: with Liger's fused cross-entropy
-(`enable_fused_cross_entropy`) training builds none, so training logs then hold `num_tokens` only.
+real tokens trained on so far, each pack's once, not once per CP rank: the mixin's count of the
+optimizer step), `mean_token_accuracy` and `entropy` (over the targets, label != -100, of every
+rank's shard, combined over the CP group and the DP replicas when the trainer logs:
+`metrics.TokenMetrics`), in training logs and as `eval_*` in `evaluate`'s metrics. Accuracy and
+entropy need the model's logits: with Liger's fused cross-entropy (`enable_fused_cross_entropy`)
+training builds none, so training logs then hold `num_tokens` only.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from dataclasses import replace
 from trl import SFTConfig, SFTTrainer
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
+from ...compat.trl import prepare_like_trl
 from ...config import CPConfig
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
 from ..trainer.setup import check_world
-from .metrics import token_metrics
+from .metrics import TokenMetrics
 from .packs import prepacked_dataloader
 
 
@@ -93,15 +95,9 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
                 "data_collator must not be given to BlockdiagCPSFTTrainer: TRL's own collator reads its packs "
                 "(position_ids per document), and the trainer pads and shards them"
             )
-        # TRL on transformers < 5.19 (which never reads `loss_is_scaled_for_ga`) turns a set value into
-        # compute_loss_func = "non-None value to disable scaling" and model_accepts_loss_kwargs = False, hiding
-        # num_items_in_batch from the model's loss. The mixin's loss needs neither: hide the attribute from TRL.
-        self.loss_is_scaled_for_ga = None
-        try:
-            super().__init__(*args, cp_size=cp_size, max_tokens=sft_args.max_length, cp_mesh=cp_mesh,
-                             cp_config=cp_config, **kwargs)
-        finally:
-            del self.loss_is_scaled_for_ga  # the mixin's class value again (transformers >= 5.19 reads it)
+        self.token_metrics = TokenMetrics()
+        super().__init__(*args, cp_size=cp_size, max_tokens=sft_args.max_length, cp_mesh=cp_mesh,
+                         cp_config=cp_config, **kwargs)
         if not isinstance(self.data_collator, DataCollatorForLanguageModeling):
             raise ValueError(
                 f"SFTTrainer chose {type(self.data_collator).__name__}; expected DataCollatorForLanguageModeling "
@@ -125,11 +121,7 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         own = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
         if dataset is None or isinstance(dataset, str) or any(dataset is d for d in own):
             return dataset
-        self._reject_skip_prepare_without_labels({name: dataset}, self.data_collator)
-        if self._skip_prepare_dataset:
-            return dataset
-        packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
-        return self._prepare_dataset(dataset, self.processing_class, self.args, packing, self._formatting_func, name)
+        return prepare_like_trl(self, dataset, name)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sharded evaluation (the mixin's): `{prefix}_loss` is the token-weighted loss over every eval
@@ -151,27 +143,29 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         return super().predict(self._prepared(test_dataset, metric_key_prefix), ignore_keys, metric_key_prefix)
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        """The mixin's loss (the model's own under CP), and TRL's token metrics of the step recorded."""
+        """The mixin's loss (the model's own under CP), and the step's sums for TRL's token metrics."""
         if STEP_KWARG not in inputs:  # not a CP step: the mixin's stock path (TRL's compute_loss)
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        self._record_token_metrics("train" if self.model.training else "eval", outputs, inputs, fill=False)
+        self._add_token_metrics("train" if self.model.training else "eval", outputs, inputs, fill=False)
         return (loss, outputs) if return_outputs else loss
 
     def _eval_pack_done(self, outputs, local: dict, fill: bool) -> None:
-        """The mixin's hook after each sharded eval pack: TRL's eval token metrics."""
-        self._record_token_metrics("eval", outputs, local, fill)
+        """The mixin's hook after each sharded eval pack: the sums of TRL's eval token metrics."""
+        self._add_token_metrics("eval", outputs, local, fill)
 
-    def _record_token_metrics(self, mode: str, outputs, local: dict, fill: bool) -> None:
-        """Into `self._metrics[mode]` as TRL's `compute_loss` records them: one accuracy and one entropy
-        per step (TRL's `log` averages them), `num_tokens` the running total of training tokens."""
+    def _add_token_metrics(self, mode: str, outputs, local: dict, fill: bool) -> None:
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
-        metrics = token_metrics(logits, local["shift_labels"], local["document_ids"],
-                                self.cp_coordinates.world_size, fill)
-        if mode == "train":
-            self._total_train_tokens += metrics["num_tokens"]
-        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-        for key in ("mean_token_accuracy", "entropy"):
-            if key in metrics:
-                self._metrics[mode][key].append(metrics[key])
+        self.token_metrics.add(mode, logits, local["shift_labels"], fill)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """TRL's token metrics into the log, as TRL's `log` adds them: the mode's metrics since the last
+        log (one all-reduce, on every rank) and `num_tokens`, the real tokens trained on so far."""
+        mode = "train" if self.model.training else "eval"
+        recorded = bool(self.token_metrics.rows[mode])
+        metrics = self.token_metrics.pop(mode, self.cp_coordinates.world_size)
+        if recorded:
+            metrics["num_tokens"] = self.cp_tokens_trained
+        logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})
+        super().log(logs, *args, **kwargs)

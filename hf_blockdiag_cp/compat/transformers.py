@@ -1,0 +1,36 @@
+"""Transformers internals that have no public equivalent (checked with transformers 5.17 and 5.24,
+`tests/unit/test_compat.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import transformers
+from packaging.version import Version
+
+TESTED = "transformers 5.17 to 5.24"
+
+
+def attn_implementation(config) -> str | None:
+    """The attention implementation a model config selects (`config._attn_implementation`; the public
+    side is only the setter, `PreTrainedModel.set_attn_implementation`), None without one."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def checkpoint_function(layer: torch.nn.Module) -> Callable | None:
+    """The checkpoint function activation checkpointing gave `layer` (a `functools.partial` of
+    `torch.utils.checkpoint.checkpoint` with its keywords), None if it has none."""
+    return getattr(layer, "_gradient_checkpointing_func", None)
+
+
+def set_checkpoint_function(layer: torch.nn.Module, function: Callable) -> None:
+    """Make `layer` checkpoint its forward with `function(forward, *args)` (same call as the stock one)."""
+    layer._gradient_checkpointing_func = function
+
+
+def trainer_reads_loss_scaling_flag() -> bool:
+    """Whether `Trainer.training_step` reads `loss_is_scaled_for_ga` (public from transformers 5.19).
+    Earlier releases decide from `model_accepts_loss_kwargs` and `compute_loss_func` alone, and TRL's
+    trainers on them turn a set flag into a placeholder `compute_loss_func`."""
+    return Version(transformers.__version__) >= Version("5.19.0")

@@ -1,0 +1,137 @@
+"""What `hf_blockdiag_cp/compat/` relies on in each upstream, checked against the installed version:
+each test fails with a message naming the upstream, the version found and the range the library was
+checked with (`TESTED` of the module), so an upstream change shows here rather than as a wrong
+result elsewhere. Run at both ends of the range (docs/testing.md, "The supported versions")."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+import transformers
+
+from hf_blockdiag_cp.compat import torch as torch_compat
+from hf_blockdiag_cp.compat import transformers as transformers_compat
+from helpers.trainer import tiny_model
+
+
+def _changed(module, what: str, version: str) -> str:
+    return (f"{what} (found {version}; hf_blockdiag_cp/compat/{module.__name__.rsplit('.', 1)[1]}.py was checked with "
+            f"{module.TESTED}): update that module")
+
+
+# --------------------------------------------------------------------------- torch
+
+
+def test_torch_forbid_in_graph_makes_dynamo_raise():
+    def refuse():
+        raise RuntimeError("ran eagerly")
+
+    forbidden = torch_compat.forbid_in_graph(refuse)
+
+    def traced(x):
+        forbidden()
+        return x + 1
+
+    torch.compiler.reset()
+    with pytest.raises(Exception) as caught:
+        torch.compile(traced, backend="eager")(torch.ones(2))
+    assert "ran eagerly" not in str(caught.value), _changed(
+        torch_compat, "torch._dynamo.forbid_in_graph no longer stops tracing (the function ran as a graph break)",
+        torch.__version__)
+
+
+def test_torch_checkpoint_wrapper_keeps_the_wrapped_module():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    inner = torch.nn.Linear(2, 2)
+    model = torch.nn.Sequential(checkpoint_wrapper(inner))
+    assert torch_compat.checkpoint_wrapped_module(model[0]) is inner, _changed(
+        torch_compat, "checkpoint_wrapper no longer keeps its module in `_checkpoint_wrapped_module`", torch.__version__)
+    assert torch_compat.checkpoint_wrapped_module(inner) is None
+    names = {torch_compat.unwrapped_name(n) for n, m in model.named_modules() if m is inner}
+    assert names == {"0"}, _changed(torch_compat, f"checkpoint_wrapper's module names changed: {names}", torch.__version__)
+
+
+def test_torch_compile_wrapper_keeps_the_compiled_module():
+    inner = torch.nn.Linear(2, 2)
+    assert torch_compat.compiled_module(torch.compile(inner)) is inner, _changed(
+        torch_compat, "torch.compile's OptimizedModule no longer keeps its module in `_orig_mod`", torch.__version__)
+    assert torch_compat.compiled_module(inner) is None
+
+
+def test_torch_dynamo_counts_the_graphs_it_compiles():
+    before = torch_compat.compile_counters()
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    after = torch_compat.compile_counters()
+    assert after["graphs_compiled"] > before["graphs_compiled"] and after["frames_compiled"] > before["frames_compiled"], \
+        _changed(torch_compat, f"torch._dynamo.utils.counters did not count a compile: {before} -> {after}", torch.__version__)
+
+
+def test_torch_cuda_sleep_exists():
+    assert callable(getattr(torch.cuda, "_sleep", None)), _changed(torch_compat, "torch.cuda._sleep is gone",
+                                                                   torch.__version__)
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+def test_transformers_config_holds_the_attn_implementation():
+    model = tiny_model("sdpa")
+    assert transformers_compat.attn_implementation(model.config) == "sdpa", _changed(
+        transformers_compat, "config._attn_implementation does not hold the implementation set", transformers.__version__)
+    model.set_attn_implementation("eager")
+    assert transformers_compat.attn_implementation(model.config) == "eager"
+    assert transformers_compat.attn_implementation(object()) is None
+
+
+def test_transformers_layers_checkpoint_through_their_checkpoint_function():
+    model = tiny_model("sdpa").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layer = model.model.layers[0]
+    stock = transformers_compat.checkpoint_function(layer)
+    assert isinstance(stock, functools.partial) and stock.func is torch.utils.checkpoint.checkpoint, _changed(
+        transformers_compat, f"a checkpointed layer's `_gradient_checkpointing_func` is {stock!r}", transformers.__version__)
+    assert stock.keywords.get("use_reentrant") is False
+    calls = []
+
+    def recording(function, *args, **kwargs):
+        calls.append(function)
+        return stock(function, *args, **kwargs)
+
+    transformers_compat.set_checkpoint_function(layer, recording)
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    assert len(calls) == 1, _changed(transformers_compat, "a checkpointed layer no longer calls its "
+                                     "`_gradient_checkpointing_func` once per forward", transformers.__version__)
+
+
+def test_transformers_trainer_reads_the_loss_scaling_flag_from_5_19():
+    reads = "loss_is_scaled_for_ga" in inspect.getsource(transformers.Trainer.training_step)
+    assert reads == transformers_compat.trainer_reads_loss_scaling_flag(), _changed(
+        transformers_compat, f"Trainer.training_step {'reads' if reads else 'does not read'} loss_is_scaled_for_ga",
+        transformers.__version__)
+
+
+# --------------------------------------------------------------------------- trl
+
+
+def test_trl_prepares_a_dataset_as_for_evaluation(tmp_path):
+    """`prepare_like_trl` on a stock SFTTrainer: text becomes TRL's packed rows (input_ids, seq_lengths)."""
+    pytest.importorskip("trl")
+    import trl
+    from trl import SFTTrainer
+
+    from hf_blockdiag_cp.compat import trl as trl_compat
+    from helpers.sft import char_tokenizer, sft_config, sft_dataset
+
+    trainer = SFTTrainer(model=tiny_model("sdpa"), args=sft_config(str(tmp_path)), train_dataset=sft_dataset("text"),
+                         processing_class=char_tokenizer())
+    try:
+        prepared = trl_compat.prepare_like_trl(trainer, sft_dataset("text"), "test")
+    except (AttributeError, TypeError) as exc:
+        pytest.fail(_changed(trl_compat, f"SFTTrainer's dataset preparation changed: {exc!r}", trl.__version__))
+    assert {"input_ids", "seq_lengths"} <= set(prepared.column_names), _changed(
+        trl_compat, f"SFTTrainer._prepare_dataset gave columns {prepared.column_names}", trl.__version__)
+    assert len(prepared) < len(sft_dataset("text")), "the documents were not packed"
