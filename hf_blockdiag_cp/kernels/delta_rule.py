@@ -100,7 +100,11 @@ def torch_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, outp
                                 use_qk_l2norm_in_kernel=True)
         outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
         finals.append(final)
-    flat = torch.cat(outs) if outs else v.new_zeros((0,) + tuple(v.shape[1:]))
+    if outs:
+        flat = torch.cat(outs)
+    else:  # only padding: zero outputs that still depend on every input, so each parameter gets a (zero)
+        # gradient on this rank too, as DDP and FSDP expect of every rank
+        flat = v.new_zeros((0,) + tuple(v.shape[1:])) + sum(t.sum() for t in (q, k, v, g, beta)).to(v.dtype) * 0
     out = _with_zero_row(flat.to(v.dtype)).index_select(0, plan.scatter)
     if not output_final_state:
         return out, None

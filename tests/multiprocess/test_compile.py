@@ -69,7 +69,7 @@ def train_step(model, batch, group, config=CONFIG):
 
 
 def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=PACKS, family="llama",
-                 overlap=False):
+                 overlap=False, transport="auto"):
     """Per pack: the worst relative error against the eager model (this rank's loss and gradients)
     and against the reference (means over the group), and dynamo's running totals after the step."""
     torch._dynamo.reset()
@@ -82,8 +82,8 @@ def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_e
     for seed, (lengths, n_pad) in enumerate(PACKS[:packs] if isinstance(packs, int) else packs):
         docs, batch = pack(lengths, n_pad, seed)
         ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-        want_loss, want_grads = train_step(eager, batch, group)
-        loss, grads = train_step(compiled, batch, group, CONFIG.replace(overlap=overlap))
+        want_loss, want_grads = train_step(eager, batch, group, CONFIG.replace(mixer_transport=transport))
+        loss, grads = train_step(compiled, batch, group, CONFIG.replace(overlap=overlap, mixer_transport=transport))
         totals = (int(counters["frames"]["ok"]), int(counters["stats"]["unique_graphs"]))
         vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
         vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, group, world_size)
@@ -121,12 +121,14 @@ def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, region
     _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}")
 
 
-def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo):
-    """Qwen3.5-style hybrid: its gated delta-rule token mixer (head-parallel all-to-all under CP) is
-    a graph break like attention. Against the eager model the I1 bound: its gate gradients
-    (A_log, dt_bias) are small, so the compiled projections' rounding shows at about 1e-5."""
-    results = gloo(2).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5")
-    _assert_compiled_steps(results, "qwen3_5 cp2 layers", eager_tol=REFERENCE_TOL)
+@pytest.mark.parametrize("world_size,transport", [(2, "heads"), (2, "states"), (3, "states")])
+def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo, world_size, transport):
+    """Qwen3.5-style hybrid: its gated delta-rule token mixer (head-parallel all-to-alls, or state
+    passing's all-gathers) is a graph break like attention. Against the eager model the I1 bound: its
+    gate gradients (A_log, dt_bias) are small, so the compiled projections' rounding shows at about 1e-5."""
+    results = gloo(world_size).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5",
+                                   transport=transport)
+    _assert_compiled_steps(results, f"qwen3_5 cp{world_size} layers {transport}", eager_tol=REFERENCE_TOL)
 
 
 def test_inductor_compiled_layers_match_eager(gloo):

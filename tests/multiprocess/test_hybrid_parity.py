@@ -103,6 +103,8 @@ def hybrid_parity_case(rank, world_size, group, family):
         trained, loss, moved = _run(model, batch, group, strategy, checkpointing, transport)
         permuted |= moved and strategy == "balanced"
         errors = compare_with_reference(trained, ref_loss, ref_grads, loss, group, world_size)
+        # DDP and FSDP expect a gradient of every parameter on every rank, a padding-only rank's too
+        errors["parameters without a gradient"] = float(sum(p.grad is None for p in trained.parameters()))
         worst = max(errors, key=errors.get)
         results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}/{transport}"] = (errors[worst], worst, errors["loss"])
     return results, permuted
