@@ -4,7 +4,7 @@ one module per mixer kind (`gated_delta`). The pure planning is `planning.mixer_
 are `kernels.mixer_registry` records; the model patches (`model_patches`) call in here.
 """
 
-from .context import MixerContext, log_mixer_choices
+from .context import MixerContext
 from .gated_delta import GatedDeltaLayer, gated_delta_mix
 
-__all__ = ["GatedDeltaLayer", "MixerContext", "gated_delta_mix", "log_mixer_choices"]
+__all__ = ["GatedDeltaLayer", "MixerContext", "gated_delta_mix"]

@@ -8,8 +8,6 @@ the context of a step lives in the step's cache.
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,16 +16,15 @@ import torch
 from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel
 from ..planning import Layout
 from ..planning.mixer_plan import MixerRuns, MixerShape, choose_mixer_transport, pack_runs
-
-MIXER_CONTEXT_KEY = ("mixer_context",)
-logger = logging.getLogger(__name__)
+from ..step.state import MIXER_CONTEXT_KEY
 
 
 @dataclass(eq=False)
 class MixerContext:
     """A mixer's group and rows: `layout` is the step's (None outside a step: one rank, rows in pack
     order, `runs` given); `backend` and `transport` as configured (`CPConfig.mixer_backend`,
-    `CPConfig.mixer_transport`). `choices` records what ran, per operation, for the step's log."""
+    `CPConfig.mixer_transport`). `choices` records what ran, per operation, for the step's log
+    (`StepChoices.mixers`)."""
 
     group: Any
     world_size: int
@@ -74,17 +71,12 @@ class MixerContext:
     def transport_for(self, shape: MixerShape) -> str:
         """The transport of a layer of `shape`: "local" (one rank), "heads" or "states"."""
         if self.world_size == 1:
-            return "local"
-        name = self.cached(("transport", shape), lambda: choose_mixer_transport(self.transport, self.layout, shape))
+            name = "local"
+        else:
+            name = self.cached(("transport", shape), lambda: choose_mixer_transport(self.transport, self.layout, shape))
         self.choices["transport"] = name
         return name
 
     def describe(self) -> str:
         """What ran, e.g. `gated_delta_rule=fla short_conv=fla transport=states`."""
         return " ".join(f"{k}={v}" for k, v in sorted(self.choices.items()))
-
-
-@functools.cache
-def log_mixer_choices(description: str) -> None:
-    """Log what the mixers ran, once per process for each distinct choice."""
-    logger.info("blockdiag_cp token mixers ran %s", description)

@@ -33,6 +33,8 @@ STEP_KWARG = "blockdiag_cp_step"
 ATTN_IMPLEMENTATION = "blockdiag_cp"  # the attention implementation that runs a step (registered by integrations)
 # Attention caches its kernel choice per layer kind in the step under keys ("kernel", ...).
 KERNEL_CACHE_KEY = "kernel"
+# Recurrent token mixers keep their context (`mixers.MixerContext`, what they ran) in the step under this key.
+MIXER_CONTEXT_KEY = ("mixer_context",)
 logger = logging.getLogger(__name__)
 
 
@@ -53,6 +55,7 @@ class StepChoices:
     requested_kv_exchange: str | None  # as configured ("auto" or an exchange name; None: unknown)
     layout: str
     overlap: str | None = None  # how the exchange overlapped attention: "queries" or "keys" (CPConfig.overlap)
+    mixers: str | None = None  # what recurrent token mixers ran, e.g. "gated_delta_rule=fla short_conv=fla transport=states"
 
     def describe(self) -> str:
         kernels = ", ".join(self.kernels) or "none"
@@ -61,13 +64,15 @@ class StepChoices:
         return (
             f"blockdiag_cp runs kernel {kernels} (attn_backend={self.attn_backend!r}), K/V exchange "
             f"{self.kv_exchange}{overlapped} (kv_exchange={exchange!r}), layout {self.layout}"
+            + ("" if self.mixers is None else f", token mixers {self.mixers}")
         )
 
     def as_logs(self) -> dict[str, str]:
         """The choices as Trainer log entries (`cp_kv_exchange` ends in `+overlap` when it overlapped
         attention split by queries, `+overlap_keys` split by keys)."""
-        return {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": exchange_label(self.kv_exchange, self.overlap),
+        logs = {"cp_attn_kernel": "+".join(self.kernels), "cp_kv_exchange": exchange_label(self.kv_exchange, self.overlap),
                 "cp_layout": self.layout}
+        return logs if self.mixers is None else {**logs, "cp_mixers": self.mixers}
 
 
 @functools.cache
@@ -301,8 +306,9 @@ class CPStep:
             value.name for key, value in self.mask_cache.items()
             if isinstance(key, tuple) and key[:1] == (KERNEL_CACHE_KEY,)
         }
+        mixers = self.mask_cache.get(MIXER_CONTEXT_KEY)
         return StepChoices(tuple(sorted(kernels)), self.attn_backend, self.kv_exchange, self.requested_kv_exchange,
-                           self.layout.strategy, self.overlap_split)
+                           self.layout.strategy, self.overlap_split, None if mixers is None else mixers.describe())
 
     @property
     def overlap_split(self) -> str | None:

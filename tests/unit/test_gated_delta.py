@@ -119,6 +119,18 @@ def test_outside_a_step_the_model_is_stock(family):
             assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
 
 
+def test_the_step_logs_what_the_token_mixers_ran():
+    _, model = build_hybrid_pair("qwen3_5")
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, config=bdcp.CPConfig(mixer_backend="torch"))
+    with train_ctx() as step:
+        model(**local).loss.backward()
+    assert step.choices.mixers == "gated_delta_rule=torch short_conv=torch transport=local"
+    assert step.choices.as_logs()["cp_mixers"] == step.choices.mixers
+    assert "token mixers gated_delta_rule=torch" in step.choices.describe()
+
+
 def test_hybrid_without_the_patch_cannot_run_a_step():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hybrid_config("qwen3_next"), attn_implementation=bdcp.ATTN_IMPLEMENTATION)
