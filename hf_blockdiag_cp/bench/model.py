@@ -2,9 +2,14 @@
 qwen3_5`: a ~1B Qwen3.5-style gated delta-rule hybrid) fwd+bwd on packed batches,
 `blockdiag_cp` at cp=1 vs HF `sdpa` vs HF `flex_attention`, one GPU.
 
-Methods: `blockdiag_cp/<kernel>` (any kernel name or `auto`; the model patches applied),
+Methods: `blockdiag_cp/<kernel>[/<mixer kernel>]` (any attention kernel name or `auto`, and for
+hybrids `CPConfig.mixer_backend`, default `auto`; the model patches applied),
 `hf_sdpa`, `hf_flex` (the stock model on the same pack with position_ids: exact for attention,
-not for a hybrid's linear-attention layers, which run across documents), `hf_padded` (the stock
+not for a hybrid's linear-attention layers, which run across documents), `hf_sdpa_docs` (the same
+with the documents also given as `cu_seq_lens_q/k`, `max_length_q/k` and `seq_idx`, as
+`DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)` gives them, `seq_idx`
+only where causal-conv1d is installed, which newer Transformers require for it: a hybrid's fla delta
+rule then restarts per document, its torch convolution does not), `hf_padded` (the stock
 model with sdpa on the pack's documents unpacked and right-padded, `--padded-tokens` per batch;
 tokens/s counts real tokens only); a `+fce` suffix runs the method with Liger's fused linear
 cross-entropy as the loss (`integrations.liger`), so HF `flex_attention` + fused CE is the fair
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import statistics
 import time
 
@@ -32,7 +38,16 @@ from ..integrations.liger import enable_fused_cross_entropy, fused_cross_entropy
 from .common import environment, line_plot, lognormal_lengths, markdown_table, profile_table, write_json
 from .model_hybrid import CONFIGS, TIMING_DEFAULTS, Models, build_models, padded_batches, padded_step
 
-HF_IMPLS = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "hf_padded": "sdpa"}
+HF_IMPLS = {"hf_sdpa": "sdpa", "hf_flex": "flex_attention", "hf_padded": "sdpa", "hf_sdpa_docs": "sdpa"}
+
+
+def document_kwargs(lengths: list[int], device) -> dict:
+    """The documents as Transformers' flash-attention and hybrid kernels take them (DataCollatorWithFlattening's
+    `return_flash_attn_kwargs=True, return_seq_idx=True`)."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    seq_idx = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])[None].to(device)
+    longest = max(lengths)
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest, "seq_idx": seq_idx}
 
 
 def packed_batch(seq_len: int, vocab: int, mean_doc_len: float, seed: int, device: str):
@@ -62,15 +77,20 @@ def step_fn(models: Models, method: str, lengths: list[int], batch: dict, args):
         raise SystemExit(f"method {method!r}: the only suffix is +fce (fused linear cross-entropy)")
     fused = extra == "fce"
     if base.startswith("blockdiag_cp"):
-        config, model = CPConfig(base.split("/")[1], "allgather"), models.ours
+        kernel, _, mixer = base.split("/", 1)[1].partition("/")
+        config, model = CPConfig(kernel, "allgather", mixer_backend=mixer or "auto"), models.ours
+
+        extras = {"patches": list(models.patches)}
 
         def run():
             ctx, local, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch, config=config)
-            with ctx():
+            with ctx() as step:
                 model(**local).loss.backward()
             model.zero_grad(set_to_none=True)
+            if step.choices.mixers:
+                extras["mixers"] = step.choices.mixers  # what the token mixers ran (the row shows it)
 
-        return model, "blockdiag_cp", fused, run, {"patches": list(models.patches)}
+        return model, "blockdiag_cp", fused, run, extras
     if base not in HF_IMPLS:
         raise SystemExit(f"method {method!r}: expected blockdiag_cp/<kernel>, {', '.join(HF_IMPLS)} (optionally +fce)")
     model, extras = models.stock, {"patches": []}
@@ -79,6 +99,14 @@ def step_fn(models: Models, method: str, lengths: list[int], batch: dict, args):
         batches, weights, padded = padded_batches(lengths, batch["input_ids"], budget)
         inner = padded_step(model, batches, weights)
         extras.update(padded_tokens=padded, padded_batches=len(batches))
+    elif base == "hf_sdpa_docs":
+        documents = dict(batch, **document_kwargs(lengths, batch["input_ids"].device))
+        if importlib.util.find_spec("causal_conv1d") is None:  # newer Transformers refuse seq_idx without it
+            documents.pop("seq_idx")
+        extras["seq_idx"] = "seq_idx" in documents
+
+        def inner():
+            model(**documents).loss.backward()
     else:
 
         def inner():
@@ -150,6 +178,7 @@ def measure(models: Models, methods: list[str], seq_len: int, args) -> list[dict
                 name = m.replace("/", "_").replace("+", "_")
                 profile_table(lambda m=m: _one_step(*runs[m][:4]), f"{args.out}/profile_{seq_len}_{name}.txt", calls=1)
     for m, row in rows.items():
+        row.update(runs[m][4])  # what the method's steps recorded (e.g. the token mixers that ran)
         if times[m]:
             step_s = statistics.median(times[m])
             row.update(step_s=step_s, tokens_per_s=seq_len / step_s, peak_gib=peaks[m],
@@ -241,7 +270,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "timed_steps", "tokens_per_s", "peak_gib", "oom",
-           "frames_compiled", "graphs_compiled", "graphs_compiled_later", "padded_tokens"]
+           "frames_compiled", "graphs_compiled", "graphs_compiled_later", "padded_tokens", "mixers"]
 
 
 TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid"}

@@ -284,19 +284,29 @@ def heads_split_reason(shape: MixerShape, cp_size: int) -> str | None:
     return None
 
 
-def transport_seconds(layout: Layout, shape: MixerShape, cost: MixerCost = DEFAULT_MIXER_COST) -> dict[str, float]:
-    """Predicted seconds of the busiest rank per layer (forward + backward) for each transport that can
-    run this layer over `layout`'s ranks."""
+def transport_bytes(layout: Layout, shape: MixerShape) -> dict[str, int]:
+    """Bytes the busiest rank receives per layer, forward and backward together, for each transport that
+    can run this layer over `layout`'s ranks: the head-parallel all-to-alls' rows, or state passing's
+    gathered states (fp32) and convolution halos."""
     g, local = layout.cp_size, layout.local_len
     out = {}
     if heads_split_reason(shape, g) is None:
-        moved = 2 * (g - 1) * local * (shape.input_channels + shape.value_heads * shape.value_dim) // g
-        out["heads"] = cost.seconds(moved * shape.bytes_per_element, layout.padded_seq_len * shape.value_heads / g, shape)
-    slots = slots_per_rank(layout)
+        out["heads"] = 2 * (g - 1) * local * (shape.input_channels + shape.value_heads * shape.value_dim) // g * shape.bytes_per_element
     halo = max(shape.conv_kernel - 1, 0) * shape.conv_channels * shape.bytes_per_element
-    gathered = 2 * (g - 1) * slots * (4 * shape.state_elements + halo)
+    out["states"] = 2 * (g - 1) * slots_per_rank(layout) * (4 * shape.state_elements + halo)
+    return out
+
+
+def transport_seconds(layout: Layout, shape: MixerShape, cost: MixerCost = DEFAULT_MIXER_COST) -> dict[str, float]:
+    """Predicted seconds of the busiest rank per layer (forward + backward) for each transport that can
+    run this layer: `transport_bytes` plus the mixer rows it computes (the whole pack for its heads, or
+    its own rows and, again, the carried ones for their transitions)."""
+    g, moved = layout.cp_size, transport_bytes(layout, shape)
+    out = {}
+    if "heads" in moved:
+        out["heads"] = cost.seconds(moved["heads"], layout.padded_seq_len * shape.value_heads / g, shape)
     busiest = max(plan_state_passing(layout, r).carried_rows for r in range(g))
-    out["states"] = cost.seconds(gathered, (local + busiest) * shape.value_heads, shape)
+    out["states"] = cost.seconds(moved["states"], (layout.local_len + busiest) * shape.value_heads, shape)
     return out
 
 

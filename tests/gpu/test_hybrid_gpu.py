@@ -1,20 +1,26 @@
-"""Gated delta-rule hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE text) in bf16 on one GPU (I1).
+"""Gated delta-rule hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE text) in bf16 on one GPU (I1), per
+parameter group, over seeds.
 
-At cp = 1 and G = 2 and 4 (gloo ranks with CUDA tensors on one GPU), with activation
-checkpointing, the contiguous and the balanced layout, and attention kernel `auto` (FA4 where
-installed, else torch varlen, for the full-attention layers): the mean loss and gradients of
-the patched model under CP in bf16, and those of the stock model in bf16 on each document
-unpacked, are both measured against the stock model in fp32 (eager attention, no TF32) on each
-document unpacked; both stock runs use Transformers' own torch convolution and delta rule.
-CP's error must stay within 1.5x the stock model's on the flattened gradient and within 1e-2
-on the loss (docs/testing.md, "The reference"). `pytest -s` prints both errors of every case.
-Skipped without CUDA, and per family where the installed Transformers lacks it.
+For every seed (model, with Transformers' own initialisation, and documents), three runs of the same pack are measured against the stock model
+in fp32 on each document unpacked (eager attention, Transformers' torch convolution and delta rule,
+no TF32): the stock model in bf16 on each document unpacked (same kernels), and ours under CP in bf16
+(attention `auto`: FA4 where installed; token mixers fla or torch; activation checkpointing). The
+errors are relative norms of the gradient of each parameter group: the linear layers' decay
+parameters (A_log, dt_bias, a handful of numbers whose gradient is a long cancelling sum), the rest of
+the linear layers, attention, MLP and the rest. Each group's median over `SEEDS` for ours must stay
+within 1.5x the stock model's median, and the loss within 1e-2 (docs/testing.md, "The reference").
+The pack holds short documents (cp = 1 sees only these apart) and 1,500- and 700-token documents that
+straddle ranks at G = 2 and 4. `pytest -s` prints every group's medians.
+
+Also the diagnosis of docs/models.md ("bf16"): at cp = 1 the attention kernel (FA4 against dense) and
+the mixer kernels (fla against torch) each keep every group within the same bound.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import statistics
 
 import pytest
 import torch
@@ -23,77 +29,90 @@ import transformers
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.model_patches.gated_delta import stock_torch_kernels
 from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
-from helpers.bf16_parity import GRAD_FACTOR, assert_bf16, bf16_errors, cp_loss_and_grads
-from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair
-from helpers.reference import make_docs, reference_loss_and_grads
+from helpers.bf16_parity import GRAD_FACTOR, LOSS_TOL, cp_loss_and_grads
+from helpers.model_zoo import build_hybrid_pair
+from helpers.reference import make_docs, reference_loss_and_grads, rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-# Full attention at head dim 64 (one FA4 was verified at); delta-rule heads with Dk = 64 != Dv = 128,
-# whose 4 key heads split over every G tested.
+SEEDS = (0, 1, 2, 3, 4)
+# Full attention at head dim 64 (FA4 verified there); linear layers with 2 key heads of 128 and
+# 4 value heads of 128 (fla verified there): head-parallel only at G = 2, state passing at any G.
 GPU_SIZES = dict(
     hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.02,
-    linear_num_key_heads=4, linear_key_head_dim=64, linear_value_head_dim=128,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128, linear_value_head_dim=128,
 )
 # Every expert chosen: top-k routing is discontinuous, and a near-tie that bf16 rounding flips
 # changes one token's output by O(1) in either bf16 run, which would swamp the rounding errors
 # compared here. The routing weights and the MoE code path stay.
 GPU_MOE_SIZES = dict(num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=128)
-# 1-token documents, one of 480 tokens over every rank at G = 4, then padding (document id 0).
-DOC_LENGTHS = (1, 57, 41, 480, 1, 33, 12)
-PADDING = 7
-LAYOUTS = ("contiguous", "balanced")
+DOC_LENGTHS = (1, 40, 1500, 1, 33, 700, 12, 9)  # at G = 4 (576 rows each) the 1,500-token document spans 3 ranks
+PADDING = 6
+GROUPS = ("decay", "linear_attn", "self_attn", "mlp", "other")
 
 
 def gpu_sizes(family: str) -> dict:
-    """Overrides of `tiny_hybrid_config(family)` for the bf16 comparison."""
     if family == "qwen3_5":
-        return dict(GPU_SIZES, linear_num_value_heads=8, intermediate_size=512)
-    value_heads = 4 if family == "qwen3_5_moe" else 8  # one or two value heads per key head, as in model_zoo
-    return dict(GPU_SIZES, **GPU_MOE_SIZES, linear_num_value_heads=value_heads)
+        return dict(GPU_SIZES, intermediate_size=512)
+    sizes = dict(GPU_SIZES, **GPU_MOE_SIZES)
+    if family == "qwen3_5_moe":
+        sizes["linear_num_value_heads"] = 2  # one value head per key head, as in model_zoo
+    return sizes
 
 
-def hybrid_pack(seed: int = 6):
-    """(documents, packed batch): `DOC_LENGTHS` end to end, then `PADDING` tokens without labels."""
+def group_of(name: str) -> str:
+    if ".linear_attn." in name:
+        return "decay" if name.endswith(("A_log", "dt_bias")) else "linear_attn"
+    for group in ("self_attn", "mlp"):
+        if f".{group}." in name:
+            return group
+    return "other"
+
+
+def group_errors(grads: dict, reference: dict) -> dict[str, float]:
+    """Relative error of each parameter group's flattened gradient against the reference's."""
+    out = {}
+    for group in GROUPS:
+        names = [n for n in reference if group_of(n) == group]
+        if names:
+            flat = torch.cat([grads[n].float().reshape(-1).cpu() for n in names])
+            out[group] = rel_err(flat, torch.cat([reference[n].float().reshape(-1).cpu() for n in names]))
+    return out
+
+
+def hybrid_pack(seed: int):
     docs = make_docs(DOC_LENGTHS, seed=seed)
     ids = torch.cat(docs + [torch.zeros(PADDING, dtype=torch.long)])[None]
     labels = ids.clone()
     labels[0, ids.shape[1] - PADDING :] = -100
-    document_ids = document_ids_from_lengths(DOC_LENGTHS, ids.shape[1])[None]
-    return docs, {"input_ids": ids, "labels": labels, "document_ids": document_ids}
+    return docs, {"input_ids": ids, "labels": labels, "document_ids": document_ids_from_lengths(DOC_LENGTHS, ids.shape[1])[None]}
 
 
-def _kernels(step) -> list[str]:
-    """The attention kernels the step resolved (`auto`) for its layers."""
-    return sorted({v.name for k, v in step.mask_cache.items() if isinstance(k, tuple) and k and k[0] == "kernel"})
-
-
-def hybrid_bf16_case(rank, world_size, group, family, device="cuda"):
-    """Per layout: `bf16_errors` of CP and of the stock model, the kernels `auto` chose and
-    whether the layout reordered the pack."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
+def hybrid_seeds_case(rank, world_size, group, family, variants):
+    """For each seed: the stock bf16 model's and each variant's (attn_backend, mixer_backend, mixer
+    transport, layout) group errors and loss error; and what each variant's step ran."""
+    torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 reference (matmuls, and the stock convolution)
     torch.backends.cudnn.allow_tf32 = False
-    ref32, model = build_hybrid_pair(family, **gpu_sizes(family))
-    docs, batch = hybrid_pack()
-    docs = [d.to(device) for d in docs]
-    with stock_torch_kernels(ref32):
-        reference = reference_loss_and_grads(ref32.to(device), docs)
-        stock = reference_loss_and_grads(copy.deepcopy(ref32).to(torch.bfloat16), docs)
-    model = model.to(device, torch.bfloat16)
-    out = {}
-    for layout in LAYOUTS:
-        config = bdcp.CPConfig(attn_backend="auto", kv_exchange="allgather", layout=layout, kernel_cost=PAIR_COUNT)
-        loss, grads, step = cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True, device=device)
-        slots = step.layout.slot_positions.reshape(-1).cpu()
-        out[f"{family} G={world_size} {layout}+ac"] = dict(
-            bf16_errors(reference, stock, (loss, grads)),
-            kernels=_kernels(step),
-            permuted=not torch.equal(slots, torch.arange(slots.numel())),
-        )
-    return out
+    out = {"stock": []} | {v: [] for v in variants}
+    ran = {}
+    for seed in SEEDS:
+        ref32, model = build_hybrid_pair(family, seed=seed, stock_decays=True, **gpu_sizes(family))
+        docs, batch = hybrid_pack(seed)
+        docs = [d.cuda() for d in docs]
+        with stock_torch_kernels(ref32):
+            loss32, grads32 = reference_loss_and_grads(ref32.cuda(), docs)
+            loss_s, grads_s = reference_loss_and_grads(copy.deepcopy(ref32).to(torch.bfloat16), docs)
+        out["stock"].append(dict(group_errors(grads_s, grads32), loss=rel_err(loss_s.float().cpu(), loss32.cpu())))
+        model = model.to("cuda", torch.bfloat16)
+        for variant in variants:
+            attn, mixer, transport, layout = variant
+            config = bdcp.CPConfig(attn_backend=attn, kv_exchange="allgather", layout=layout, kernel_cost=PAIR_COUNT,
+                                   mixer_backend=mixer, mixer_transport=transport)
+            loss, grads, step = cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True)
+            out[variant].append(dict(group_errors(grads, grads32), loss=rel_err(loss.float().cpu(), loss32.cpu())))
+            ran[variant] = step.choices.describe()
+    return out, ran
 
 
 def _require_family(family: str) -> None:
@@ -104,25 +123,46 @@ def _require_family(family: str) -> None:
         pytest.skip(f"transformers {transformers.__version__} has no {family} model ({exc})")
 
 
-def _report(results, record_property) -> None:
-    for case, e in results[0].items():  # every rank holds the same means over the group
-        line = (
-            f"{case}: grad rel err stock bf16 {e['stock_grad_err']:.3e}, CP bf16 {e['cp_grad_err']:.3e} "
-            f"(ratio {e['cp_grad_err'] / e['stock_grad_err']:.2f}, limit {GRAD_FACTOR}); loss rel err stock "
-            f"{e['stock_loss_err']:.2e}, CP {e['cp_loss_err']:.2e}; attention kernels {e['kernels']}"
-        )
+def _medians(per_seed: list[dict]) -> dict[str, float]:
+    return {key: statistics.median(e[key] for e in per_seed) for key in per_seed[0]}
+
+
+def _check(results, what, record_property) -> None:
+    per_variant, ran = results[0]  # every rank holds the same means over the group
+    stock = _medians(per_variant["stock"])
+    failures = []
+    for variant, per_seed in per_variant.items():
+        if variant == "stock":
+            continue
+        ours = _medians(per_seed)
+        cells = ", ".join(f"{g} {ours[g]:.2e}/{stock[g]:.2e} ({ours[g] / stock[g]:.2f}x)" for g in GROUPS if g in ours)
+        line = f"{what} {variant}: median over {len(SEEDS)} seeds ours/stock: {cells}; loss {ours['loss']:.1e} | {ran[variant]}"
         print(line)
-        record_property(case, line)
+        record_property(f"{what} {variant}", line)
+        failures += [f"{variant} {g}: {ours[g]:.2e} > {GRAD_FACTOR} x {stock[g]:.2e}"
+                     for g in GROUPS if g in ours and ours[g] > GRAD_FACTOR * stock[g]]
+        if ours["loss"] > LOSS_TOL:
+            failures.append(f"{variant} loss: {ours['loss']:.2e}")
+    assert failures == []
+
+
+def _variants(world_size: int, family: str) -> list[tuple[str, str, str, str]]:
+    layout = "balanced" if world_size == 4 else "contiguous"
+    transports = ["states", "heads"] if world_size == 2 and family == "qwen3_5" else ["auto"]
+    return [("auto", mixer, transport, layout) for transport in transports for mixer in ("auto", "torch")]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_hybrid_bf16_parity(gloo, record_property, family, world_size):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+def test_hybrid_bf16_parity_per_parameter_group(gloo, record_property, family, world_size):
     _require_family(family)
-    results = gloo(world_size).run(hybrid_bf16_case, timeout=600, family=family)
-    _report(results, record_property)
-    assert_bf16(results)
-    if world_size > 1:  # the balanced layout really reordered the pack (else it tested nothing new)
-        for rank, per_case in enumerate(results):
-            balanced = per_case[f"{family} G={world_size} balanced+ac"]
-            assert balanced["permuted"], f"rank {rank}: the balanced layout left the pack contiguous"
+    results = gloo(world_size).run(hybrid_seeds_case, timeout=900, family=family, variants=_variants(world_size, family))
+    _check(results, f"{family} G={world_size}", record_property)
+
+
+def test_attention_and_mixer_kernels_keep_every_group_at_the_stock_error(gloo, record_property):
+    """cp = 1, each fast kernel alone against the reference kernels (dense attention, torch mixers)."""
+    variants = [("dense", "torch", "auto", "contiguous"), ("auto", "torch", "auto", "contiguous"),
+                ("dense", "auto", "auto", "contiguous")]
+    results = gloo(1).run(hybrid_seeds_case, timeout=900, family="qwen3_5", variants=variants)
+    _check(results, "qwen3_5 G=1 kernels", record_property)

@@ -182,12 +182,13 @@ def slow_decays(model) -> None:
                 p.copy_(torch.empty_like(p).uniform_(0.05, 1.0).log())
 
 
-def build_hybrid_pair(family: str, seed: int = 0, **overrides):
-    """(stock eager model, blockdiag_cp model with the gated delta-rule patch) with identical weights
-    (`slow_decays`)."""
+def build_hybrid_pair(family: str, seed: int = 0, stock_decays: bool = False, **overrides):
+    """(stock eager model, blockdiag_cp model with the gated delta-rule patch) with identical weights;
+    `slow_decays` unless `stock_decays` (Transformers' initialisation)."""
     torch.manual_seed(seed)
     ref = AutoModelForCausalLM.from_config(tiny_hybrid_config(family, **overrides), attn_implementation="eager", dtype=torch.float32)
-    slow_decays(ref)
+    if not stock_decays:
+        slow_decays(ref)
     ref.train()
     model = copy.deepcopy(ref)
     model.set_attn_implementation(bdcp.ATTN_IMPLEMENTATION)

@@ -1,0 +1,122 @@
+"""State passing against head-parallel for one gated delta-rule layer under CP: bytes and time per layer,
+and what `auto` chooses, at each CP size, on the packs of `bench model` (log-normal documents) and on
+one document that fills the pack.
+
+G processes form a gloo group; on one GPU they share it (NCCL cannot put two ranks on one GPU), so the
+times include gloo's host copies and G ranks' kernels queued on one device: they compare the two
+transports under the same handicap, not what NCCL between GPUs gives. Bytes are the busiest rank's,
+forward and backward (`planning.mixer_plan.transport_bytes`).
+
+    python benchmarks/mixer_transports.py --out bench_out/mixer_transports        # one GPU
+    python benchmarks/mixer_transports.py --device cpu --small --seq-lens 2048 --cp-sizes 2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.bench.common import environment, lognormal_lengths, markdown_table, write_json
+from hf_blockdiag_cp.mixers import MixerContext, gated_delta_mix
+from hf_blockdiag_cp.model_patches.gated_delta import _project, mixer_layer
+from hf_blockdiag_cp.planning import document_ids_from_lengths
+from hf_blockdiag_cp.planning.mixer_plan import choose_mixer_transport, transport_bytes
+from hf_blockdiag_cp.step.state import STEP_KWARG
+
+import mixer_docs  # noqa: E402  (the same layer as the documents benchmark)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_layer(layer, step, transport, hidden, probe, calls: int) -> float:
+    """Median seconds of one fwd+bwd of the layer's token mixer on this rank (every rank calls alike)."""
+    ctx = MixerContext.from_step(step)
+    ctx.transport = transport
+    spec = mixer_layer(layer)
+    times = []
+    for i in range(calls + 1):
+        _sync(hidden.device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        mixed, _, b, a = _project(layer, hidden)
+        (gated_delta_mix(spec, mixed, b, a, ctx) * probe).sum().backward()
+        _sync(hidden.device)
+        if i:  # the first call compiles and autotunes
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(rank, world_size, port, args, out):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    device = torch.device(args.device)
+    layer = mixer_docs.build_layer(args)
+    rows = []
+    for seq_len in args.seq_lens:
+        packs = {"lognormal": lognormal_lengths(seq_len, mean=args.mean_doc_len, seed=0), "one_doc": [seq_len]}
+        for name, lengths in packs.items():
+            ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
+            batch = {"input_ids": ids, "labels": ids, "document_ids": document_ids_from_lengths(lengths, seq_len)[None].to(device)}
+            _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+            step = local[STEP_KWARG]
+            g = torch.Generator().manual_seed(rank)
+            hidden = torch.randn(layout.local_len, layer.hidden_size, generator=g).to(device, layer.out_proj.weight.dtype)
+            hidden.requires_grad_(True)
+            spec = mixer_layer(layer)
+            shape = spec.shape(hidden.element_size())
+            moved = transport_bytes(layout, shape)
+            for transport in moved:
+                seconds = time_layer(layer, step, transport, hidden, torch.randn(layout.local_len, spec.value_heads,
+                                     spec.value_dim, generator=g).to(device, hidden.dtype), args.calls)
+                worst = torch.tensor([seconds])
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                rows.append({"pack": name, "seq_len": seq_len, "docs": len(lengths), "G": world_size, "transport": transport,
+                             "mib_per_layer": round(moved[transport] / 2**20, 2), "ms_per_layer": round(float(worst) * 1e3, 2),
+                             "auto_chooses": choose_mixer_transport("auto", layout, shape)})
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536])
+    p.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--mean-doc-len", type=float, default=2048)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--small", action="store_true", help="a small layer (CPU runs)")
+    p.add_argument("--calls", type=int, default=3)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", default="bench_out/mixer_transports")
+    args = p.parse_args()
+    rows = []
+    ctx = mp.get_context("spawn")
+    for g in args.cp_sizes:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=worker, args=(r, g, port, args, out)) for r in range(g)]
+        for proc in procs:
+            proc.start()
+        rows += out.get()
+        for proc in procs:
+            proc.join()
+    table = markdown_table(rows, list(rows[0]))
+    print(table)
+    write_json(f"{args.out}/mixer_transports.json", {"env": environment(), "args": vars(args), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

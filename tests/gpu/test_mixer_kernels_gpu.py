@@ -1,0 +1,135 @@
+"""The fla mixer kernels (`kernels.delta_rule`, `kernels.short_conv`) on a GPU, where `FLA_VERIFIED` and
+`FLA_CONV_VERIFIED` come from.
+
+Over runs of 1 to 1,500 tokens and a padding run, with an initial state per run and the final states
+(what state passing feeds in and takes out), the outputs and the gradients of every input, the
+initial state included, against the torch kernel in fp32. The criterion is docs/testing.md's: fla's
+bf16 error at most twice the torch kernel's own error fed the same bf16 inputs, plus a small floor.
+The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
+without CUDA and without flash-linear-attention (or its usable backend on this GPU).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
+from hf_blockdiag_cp.kernels.delta_rule import fla_backend_reason, fla_delta_rule, torch_delta_rule
+from hf_blockdiag_cp.kernels.short_conv import fla_short_conv, torch_short_conv
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+HK, HV, DK, DV = 4, 8, 128, 128
+RUNS = [1, 63, 64, 65, 700, 3, 1500, 5]
+PADDING = 6
+FLOOR = 2e-3  # bf16 has 8 bits of mantissa: relative errors of ~4e-3 are one rounding
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fla():
+    reason = fla_backend_reason(torch.cuda.current_device())
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _rule():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
+
+
+def _table() -> RunTable:
+    lengths = RUNS + [PADDING]
+    bounds = torch.tensor([0] + lengths).cumsum(0)
+    return RunTable.build(MixerRuns(bounds, torch.tensor([True] * len(RUNS) + [False])), "cuda")
+
+
+def _rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _delta_rule_inputs(rows: int, runs: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (torch.randn(rows, HK, DK, generator=g, device="cuda") for _ in range(2))
+    v = torch.randn(rows, HV, DV, generator=g, device="cuda")
+    decay = F.logsigmoid(torch.randn(rows, HV, generator=g, device="cuda") + 2)  # mostly slow decays, some fast
+    beta = torch.randn(rows, HV, generator=g, device="cuda").sigmoid()
+    state = torch.randn(runs, HV, DK, DV, generator=g, device="cuda") * 0.1
+    return q, k, v, decay, beta, state
+
+
+def _delta_rule_run(fn, inputs, dtype, table, probes):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    q, k, v, decay, beta, state = leaves
+    out, final = fn(q.to(dtype), k.to(dtype), v.to(dtype), decay, beta.to(dtype), table, state, True, _rule())
+    ((out.float() * probes[0]).sum() + (final.float() * probes[1]).sum()).backward()
+    return [out, final] + [t.grad for t in leaves]
+
+
+def test_fla_delta_rule_with_states_matches_fp32():
+    table = _table()
+    runs = len(RUNS) + 1
+    inputs = _delta_rule_inputs(table.num_rows, runs)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    probes = (torch.randn(table.num_rows, HV, DV, generator=g, device="cuda"),
+              torch.randn(runs, HV, DK, DV, generator=g, device="cuda"))
+    reference = _delta_rule_run(torch_delta_rule, inputs, torch.float32, table, probes)
+    torch_bf16 = _delta_rule_run(torch_delta_rule, inputs, torch.bfloat16, table, probes)
+    fla_bf16 = _delta_rule_run(fla_delta_rule, inputs, torch.bfloat16, table, probes)
+    documents = table.runs.is_document.cuda()
+    names = ["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
+    for name, ref, base, fla in zip(names, reference, torch_bf16, fla_bf16):
+        if name in ("final", "dstate"):  # padding runs' states are not used
+            ref, base, fla = ref[documents], base[documents], fla[documents]
+        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
+        print(f"{name}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
+        assert fla_err <= 2 * base_err + FLOOR, f"{name}: fla {fla_err:.2e} against torch {base_err:.2e}"
+    assert torch.equal(fla_bf16[0][-PADDING:].float(), torch.zeros_like(fla_bf16[0][-PADDING:].float()))
+
+
+def _conv_run(fn, x, weight, bias, dtype, table, probe):
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
+    out = fn(leaves[0].to(dtype), leaves[1].to(dtype), leaves[2].to(dtype), "silu", table)
+    (out.float() * probe).sum().backward()
+    return [out] + [t.grad for t in leaves]
+
+
+def test_fla_short_conv_matches_fp32_and_ours_matches_the_stock_convolution():
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    table = _table()
+    g = torch.Generator(device="cuda").manual_seed(2)
+    channels = 2 * HK * DK + HV * DV
+    x = torch.randn(table.num_rows, channels, generator=g, device="cuda")
+    weight, bias = torch.randn(channels, 4, generator=g, device="cuda") * 0.5, torch.randn(channels, generator=g, device="cuda")
+    probe = torch.randn(table.num_rows, channels, generator=g, device="cuda")
+    reference = _conv_run(torch_short_conv, x, weight, bias, torch.float32, table, probe)
+    torch_bf16 = _conv_run(torch_short_conv, x, weight, bias, torch.bfloat16, table, probe)
+    fla_bf16 = _conv_run(fla_short_conv, x, weight, bias, torch.bfloat16, table, probe)
+    documents = table.runs.row_is_document.cuda()
+    for name, ref, base, fla in zip(["out", "dx", "dweight", "dbias"], reference, torch_bf16, fla_bf16):
+        if name in ("out", "dx"):
+            ref, base, fla = ref[documents], base[documents], fla[documents]
+        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
+        print(f"conv {name}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
+        assert fla_err <= 2 * base_err + FLOOR, f"{name}: fla {fla_err:.2e} against torch {base_err:.2e}"
+    # Ours in bf16 against Transformers' own convolution in bf16 on each run alone: the same rounding.
+    stock_fn = inspect.unwrap(modeling_qwen3_5.causal_conv1d_fn)
+    bounds = table.runs.boundaries.tolist()
+    xb, wb, bb = x.bfloat16(), weight.bfloat16(), bias.bfloat16()
+    stock = torch.cat([stock_fn(xb[a:z].T[None], wb, bb, activation="silu")[0].T for a, z in zip(bounds[:-1], bounds[1:])])
+    ours_err, stock_err = _rel(torch_bf16[0][documents], reference[0][documents]), _rel(stock[documents], reference[0][documents])
+    print(f"conv out: ours bf16 {ours_err:.2e}, stock bf16 {stock_err:.2e}")
+    assert ours_err <= 1.5 * stock_err + 1e-4
+
+
+def test_auto_takes_fla_where_it_was_verified():
+    dims = MixerDims(DK, DV)
+    assert choose_mixer_kernel("gated_delta_rule", "auto", torch.device("cuda"), torch.bfloat16, dims).name == "fla"
+    assert choose_mixer_kernel("short_conv", "auto", torch.device("cuda"), torch.bfloat16, MixerDims()).name == "fla"
+    assert choose_mixer_kernel("gated_delta_rule", "auto", torch.device("cuda"), torch.bfloat16, MixerDims(48, 48)).name == "torch"
