@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import transformers
 from packaging.version import Version
 
 TESTED = "transformers 5.17 to 5.24"
@@ -33,4 +32,6 @@ def trainer_reads_loss_scaling_flag() -> bool:
     """Whether `Trainer.training_step` reads `loss_is_scaled_for_ga` (public from transformers 5.19).
     Earlier releases decide from `model_accepts_loss_kwargs` and `compute_loss_func` alone, and TRL's
     trainers on them turn a set flag into a placeholder `compute_loss_func`."""
+    import transformers  # at the call: importing some of its submodules replaces `transformers` in sys.modules
+
     return Version(transformers.__version__) >= Version("5.19.0")

@@ -120,11 +120,19 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
     """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training.
     `transformers_version`: the version TRL reads during the run (its branches for older releases);
     `lora`: LoRA adapters through TRL's `peft_config` (the same initial adapters in every run)."""
+    import contextlib
+
     import torch
     import transformers
+    import trl.trainer.base_trainer as trl_base
 
     version = transformers.__version__ if transformers_version is None else transformers_version
-    with accelerate_env(rank, world_size) as out, mock.patch.object(transformers, "__version__", version):
+    with accelerate_env(rank, world_size) as out, contextlib.ExitStack() as patches:
+        # Importing some submodules of transformers replaces its module in sys.modules: the version goes
+        # to the module TRL holds and to the one imported now (what the library reads).
+        for module in {id(m): m for m in (transformers, trl_base.transformers)}.values():
+            patches.enter_context(mock.patch.object(module, "__version__", version))
+        trl_reads = trl_base.transformers.__version__
         model = tiny_model("sdpa" if stock else "blockdiag_cp")
         kwargs = dict(model=model, args=sft_config(out, **overrides), train_dataset=sft_dataset("text"),
                       processing_class=char_tokenizer())
@@ -153,7 +161,7 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
         return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
                 "weights": weights, "initial": initial, "packs": len(trainer.train_dataset), "rows": rows,
                 "metrics": [{k: h.get(k) for k in TOKEN_METRICS} for h in logs], "eval": evaluated,
-                "reductions": reductions}
+                "reductions": reductions, "trl_reads": trl_reads}
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +199,7 @@ def test_training_under_trls_branch_for_transformers_before_5_19(gloo, stock_tra
     TRL reads 5.17.0, the trainer trains at cp = 1 with the stock SFTTrainer's losses over the
     accumulated packs (a gradient-accumulation scale error would show)."""
     (got,) = gloo(1).run(train_case, timeout=240, cp_size=1, transformers_version="5.17.0")
+    assert got["trl_reads"] == "5.17.0", got["trl_reads"]
     for step, (a, b) in enumerate(zip(got["losses"], stock_training["losses"], strict=True), start=1):
         assert abs(a - b) <= LOSS_TOL * abs(b), f"step {step}: loss {a} vs stock {b}"
     for step, (a, b) in enumerate(zip(got["grad_norms"], stock_training["grad_norms"], strict=True), start=1):
