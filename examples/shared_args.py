@@ -56,7 +56,10 @@ def fail(reason: str, during_run: bool = False) -> NoReturn:
     moment can abort a process (status -6 instead of 2)."""
     sys.stdout.flush()
     newline = "\n" if during_run else ""
-    print(f"{newline}error: {reason}", file=sys.stderr, flush=True)
+    # One write call: ranks share the launcher's pipe, and an unbuffered print writes the text
+    # and its newline separately, so two ranks' lines could interleave.
+    sys.stderr.write(f"{newline}error: {reason}\n")
+    sys.stderr.flush()
     if during_run:
         os._exit(2)
     sys.exit(2)
