@@ -52,7 +52,9 @@ def configured_model(model) -> Any:
     for _ in range(8):  # wrappers nest a few deep at most (DDP around a compiled model ...)
         if getattr(model, "config", None) is not None:
             return model
-        inner = getattr(model, "module", None) or compiled_module(model)
+        inner = getattr(model, "module", None)
+        if inner is None:  # not `or`: a module with no children has len() 0 and is falsy
+            inner = compiled_module(model)
         if inner is None:
             return None
         model = inner
