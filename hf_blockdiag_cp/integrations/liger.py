@@ -21,6 +21,8 @@ import logging
 
 import torch
 
+from ..compat import liger as liger_compat
+
 logger = logging.getLogger(__name__)
 
 # Only the loss: every other Liger kernel off (keys a family's apply function lacks are ignored).
@@ -37,10 +39,8 @@ def fused_cross_entropy_unavailable(model: torch.nn.Module | None = None) -> str
     if importlib.util.find_spec("triton") is None or not torch.cuda.is_available():
         return "Liger's kernels need Triton and a CUDA device"
     if model is not None:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        if model_type not in liger_compat.model_types():
             return f"Liger has no fused cross-entropy for model_type {model_type!r}"
     return None
 
@@ -56,7 +56,5 @@ def enable_fused_cross_entropy(model: torch.nn.Module) -> bool:
     if reason is not None:
         _say_once(reason)
         return False
-    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-
-    _apply_liger_kernel_to_instance(model=model, **_LOSS_ONLY)
+    liger_compat.apply_to_instance(model, **_LOSS_ONLY)
     return True

@@ -135,3 +135,38 @@ def test_trl_prepares_a_dataset_as_for_evaluation(tmp_path):
     assert {"input_ids", "seq_lengths"} <= set(prepared.column_names), _changed(
         trl_compat, f"SFTTrainer._prepare_dataset gave columns {prepared.column_names}", trl.__version__)
     assert len(prepared) < len(sft_dataset("text")), "the documents were not packed"
+
+
+# --------------------------------------------------------------------------- liger-kernel
+
+
+def test_liger_applies_only_the_named_kernel_to_one_instance():
+    """`apply_to_instance` with the loss only gives this model Liger's forward and leaves its class,
+    its norms and another instance stock; `model_types` knows Llama (skipped where Liger cannot
+    import: without liger-kernel or Triton)."""
+    pytest.importorskip("liger_kernel")
+    pytest.importorskip("triton")
+    from importlib.metadata import version
+
+    from hf_blockdiag_cp.compat import liger as liger_compat
+
+    found = version("liger-kernel")
+    try:
+        types = liger_compat.model_types()
+    except ImportError as exc:
+        pytest.fail(_changed(liger_compat, f"monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN is gone: {exc!r}", found))
+    assert "llama" in types, _changed(liger_compat, f"Liger's model types lack llama: {sorted(types)}", found)
+    model, other = tiny_model("sdpa"), tiny_model("sdpa")
+    stock = type(model).forward
+    try:
+        liger_compat.apply_to_instance(model, fused_linear_cross_entropy=True, cross_entropy=False, rope=False,
+                                       rms_norm=False, swiglu=False, layer_norm=False)
+    except (ImportError, TypeError) as exc:
+        pytest.fail(_changed(liger_compat, f"_apply_liger_kernel_to_instance changed: {exc!r}", found))
+    assert model.forward.__func__.__module__.startswith("liger_kernel."), _changed(
+        liger_compat, f"the instance kept the forward {model.forward.__func__.__qualname__}", found)
+    assert type(model).forward is stock and other.forward.__func__ is stock, _changed(
+        liger_compat, "applying to one instance replaced the class's forward", found)
+    norm = model.model.norm
+    assert norm.forward.__func__ is type(norm).forward and type(norm) is type(other.model.norm), _changed(
+        liger_compat, "rms_norm=False still replaced the model's norm", found)
