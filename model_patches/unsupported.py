@@ -4,7 +4,8 @@ These models mix tokens with state-space (Mamba) scans, linear attention, gated 
 or short causal convolutions, whole or in part. Those layers see only the local shard under
 CP and know nothing of packed document boundaries, so training would be silently wrong.
 `apply_model_patches` and the first attention call of a CP step raise for them (a type with a
-patch, such as the gated delta-rule hybrids in `gated_delta`, is not listed here). See `tests/multiprocess/test_recurrent.py` for
+patch, such as the gated delta-rule, KDA and short-convolution hybrids in `gated_delta`, `kda` and
+`lfm2`, is not listed here). See `tests/multiprocess/test_recurrent.py` for
 how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 _SSM = "state-space (Mamba) layers"
 _SSM_HYBRID = "a hybrid of attention and state-space (Mamba) layers"
-_LINEAR_HYBRID = "a hybrid of attention and linear-attention / gated delta-rule layers"
 
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mamba": _SSM,
@@ -25,12 +25,7 @@ UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "falcon_h1": "parallel attention and state-space (Mamba) mixers in every layer",
     "granitemoehybrid": _SSM_HYBRID,
     "nemotron_h": _SSM_HYBRID,
-    "kimi_linear": _LINEAR_HYBRID,
-    "olmo_hybrid": _LINEAR_HYBRID,
-    "bailing_hybrid": _LINEAR_HYBRID,
     "minimax": "a hybrid of attention and lightning (linear) attention layers",
-    "lfm2": "a hybrid of attention and short causal convolution layers",
-    "lfm2_moe": "a hybrid of attention and short causal convolution layers",
     "recurrent_gemma": "gated linear recurrence (RG-LRU) and causal convolution layers",
     "rwkv": "RWKV time-mixing recurrences instead of softmax attention",
     "xlstm": "mLSTM / sLSTM recurrences instead of softmax attention",

@@ -7,10 +7,11 @@ with a block mask built once per step), `varlen` (torch varlen, FlashAttention u
 one module that registers its record, plus its tests.
 
 Recurrent token mixers have their own records (`mixer_registry.MixerKernelRecord`): the gated
-delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla.
+delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla, and
+KDA (`kda`) in torch (fla's chunk_kda refused until verified).
 """
 
-from . import delta_rule, dense, fa4, flash, flex, short_conv, te, varlen  # noqa: F401  (each registers its record)
+from . import delta_rule, dense, fa4, flash, flex, kda, short_conv, te, varlen  # noqa: F401  (each registers its record)
 from .mixer_registry import (
     MIXER_OPS,
     MixerDims,

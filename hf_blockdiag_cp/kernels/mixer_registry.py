@@ -1,7 +1,8 @@
 """One record per kernel of a recurrent token-mixer operation, and the choice among them.
 
 The operations (`MIXER_OPS`) are what hybrid models' linear-attention layers run per document:
-`gated_delta_rule` (the chunked gated delta rule of Qwen3.5 / Qwen3-Next) and `short_conv` (their
+`gated_delta_rule` (the chunked gated delta rule of Qwen3.5 / Qwen3-Next), `kda` (Kimi Linear's
+delta rule with a decay per key channel, same signature) and `short_conv` (their
 depthwise causal convolution). Every kernel of an operation runs over a `RunTable`: the runs it
 restarts at (documents, padding, or pieces of documents under state passing) on the device.
 A kernel module builds its `MixerKernelRecord` and registers it; `auto` takes, by `auto_priority`,
@@ -18,7 +19,7 @@ import torch
 
 from ..planning.mixer_plan import MixerRuns
 
-MIXER_OPS = ("gated_delta_rule", "short_conv")
+MIXER_OPS = ("gated_delta_rule", "short_conv", "kda")
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
-"""The gated delta-rule token mixer (Qwen3.5, Qwen3.5-MoE, Qwen3-Next linear-attention layers) over
-a packed row, exact per document, on one rank or over a CP group.
+"""The gated delta-rule token mixers over a packed row, exact per document, on one rank or over a CP
+group: the gated delta rule of Qwen3.5, Qwen3.5-MoE, Qwen3-Next and OLMo-Hybrid (one decay per value
+head) and KDA, Kimi Linear's and Bailing-Hybrid's (one decay per key channel). Both act on the state
+along its key axis, so one mixer serves them; the layer record names the kernel operation.
 
 From the layer's projections (pre-convolution q|k|v `mixed`, and the gate inputs `b`, `a`) to its
-core output `[L, Hv, Dv]`: the short causal convolution, then the chunked gated delta rule, both
+core output `[L, Hv, Dv]`: the short causal convolution, then the chunked delta rule, both
 restarted at every document, with the kernels the context chose (`kernels.mixer_registry`) and the
 transport of the step (`planning.mixer_plan`): "local" (one rank), "heads" (head-parallel: the
 whole pack for a group of heads) or "states" (state passing: this rank's rows, states from the
-ranks before). The model patch (`model_patches.gated_delta`) reads a `GatedDeltaLayer` off the module.
+ranks before). The model patches (`model_patches.gated_delta`, `model_patches.kda`) read a
+`GatedDeltaLayer` off the module.
 """
 
 from __future__ import annotations
@@ -25,10 +28,27 @@ from .state_passing import conv_with_halo, delta_rule_with_states
 
 
 @dataclass(frozen=True)
+class HeadDecay:
+    """The gates of the gated delta rule with one decay per value head, as the stock forwards compute
+    them: beta = sigmoid(b)·beta_scale (2 where OLMo-Hybrid allows negative eigenvalues) and the
+    log-decay g = -exp(A_log)·softplus(a + dt_bias) in fp32, for the value heads `heads`."""
+
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    beta_scale: float = 1.0
+
+    def __call__(self, b, a, heads: slice):
+        beta = b.sigmoid() if self.beta_scale == 1.0 else b.sigmoid() * self.beta_scale
+        return beta, -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
+
+
+@dataclass(frozen=True)
 class GatedDeltaLayer:
-    """What the mixer reads of one gated delta-rule layer: head counts and dims, the depthwise
-    convolution (`conv_weight [C, W]`, C = 2·Hk·Dk + Hv·Dv in q|k|v order), the decay parameters,
-    and the family's torch `torch_chunk_gated_delta_rule` (the torch kernel runs it)."""
+    """What the mixer reads of one delta-rule layer: head counts and dims, the depthwise convolution
+    (`conv_weight [C, W]`, C = 2·Hk·Dk + Hv·Dv in q|k|v order), `gates(b, a, heads) -> (beta [rows, h],
+    g)` for the value heads `heads` (`HeadDecay`, or KDA's per-channel decay), the kernel operation
+    `op` (`gated_delta_rule` or `kda`), the channels of `a` per value head (`gate_width`: 1, or Dk for
+    KDA) and the family's torch chunked rule (the torch kernel runs it)."""
 
     name: str
     key_heads: int
@@ -38,18 +58,14 @@ class GatedDeltaLayer:
     conv_weight: torch.Tensor
     conv_bias: torch.Tensor | None
     activation: str | None
-    A_log: torch.Tensor
-    dt_bias: torch.Tensor
+    gates: Callable
     torch_rule: Callable
+    op: str = "gated_delta_rule"
+    gate_width: int = 1
 
     def shape(self, bytes_per_element: int) -> MixerShape:
         return MixerShape(self.key_heads, self.key_dim, self.value_heads, self.value_dim,
                           self.conv_weight.shape[0], self.conv_weight.shape[-1], bytes_per_element)
-
-
-def _gates(layer: GatedDeltaLayer, b, a, heads: slice):
-    """beta and the log-decay g `[rows, heads]`, as the stock forward computes them (g in fp32)."""
-    return b.sigmoid(), -layer.A_log[heads].float().exp() * F.softplus(a.float() + layer.dt_bias[heads])
 
 
 def _split(mixed, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
@@ -68,8 +84,8 @@ def _mix_rows(layer: GatedDeltaLayer, ctx: MixerContext, mixed, b, a, states: bo
         table = ctx.table("pack", lambda: ctx.runs, mixed.device)
         mixed = conv.fn(mixed, weight, layer.conv_bias, layer.activation, table)
     q, k, v = _split(mixed, layer.key_heads, layer.key_dim, layer.value_heads, layer.value_dim)
-    beta, g = _gates(layer, b, a, slice(None))
-    rule = ctx.kernel("gated_delta_rule", q, MixerDims(layer.key_dim, layer.value_dim))
+    beta, g = layer.gates(b, a, slice(None))
+    rule = ctx.kernel(layer.op, q, MixerDims(layer.key_dim, layer.value_dim))
     if states:
         return delta_rule_with_states(ctx, rule, q, k, v, g, beta, layer.torch_rule, gathered)
     return rule.fn(q, k, v, g, beta, ctx.table("pack", lambda: ctx.runs, q.device), None, False, layer.torch_rule)[0]
@@ -96,7 +112,7 @@ def _mix_heads(layer: GatedDeltaLayer, ctx: MixerContext, mixed, b, a) -> torch.
     pack = seq_to_heads(send, ctx.group, g_size, routes[0])
     hk, hv = layer.key_heads // g_size, layer.value_heads // g_size
     conv_width = 2 * hk * layer.key_dim + hv * layer.value_dim
-    pack_mixed, pack_b, pack_a = pack.split([conv_width, hv, hv], dim=-1)
+    pack_mixed, pack_b, pack_a = pack.split([conv_width, hv, hv * layer.gate_width], dim=-1)
     channels = ctx.cached(("owned_channels", layer.conv_weight.shape, str(mixed.device)),
                           lambda: _owned_channels(layer, g_size, rank, mixed.device))
     weight = layer.conv_weight.index_select(0, channels)
@@ -105,8 +121,8 @@ def _mix_heads(layer: GatedDeltaLayer, ctx: MixerContext, mixed, b, a) -> torch.
     table = ctx.table("pack", lambda: ctx.runs, mixed.device)
     pack_mixed = conv.fn(pack_mixed, weight, bias, layer.activation, table)
     qh, kh, vh = _split(pack_mixed, hk, layer.key_dim, hv, layer.value_dim)
-    beta, g = _gates(layer, pack_b, pack_a, slice(rank * hv, (rank + 1) * hv))
-    rule = ctx.kernel("gated_delta_rule", qh, MixerDims(layer.key_dim, layer.value_dim))
+    beta, g = layer.gates(pack_b, pack_a, slice(rank * hv, (rank + 1) * hv))
+    rule = ctx.kernel(layer.op, qh, MixerDims(layer.key_dim, layer.value_dim))
     out = rule.fn(qh, kh, vh, g, beta, table, None, False, layer.torch_rule)[0]
     back = heads_to_seq(out.reshape(out.shape[0], -1), ctx.group, g_size, routes[1])
     return back.reshape(rows, layer.value_heads, layer.value_dim)
@@ -122,7 +138,8 @@ def _head_routes(ctx: MixerContext, device):
 
 
 def gated_delta_mix(layer: GatedDeltaLayer, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
-    """The layer's core output `[L, Hv, Dv]` from this rank's `mixed [L, C]`, `b`, `a [L, Hv]`."""
+    """The layer's core output `[L, Hv, Dv]` from this rank's `mixed [L, C]`, `b [L, Hv]` and
+    `a [L, Hv·gate_width]`."""
     try:
         transport = ctx.transport_for(layer.shape(mixed.element_size()))
     except ValueError as exc:

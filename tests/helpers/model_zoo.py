@@ -142,7 +142,9 @@ def vl_image_docs(seed: int = 5):
 
 # --------------------------------------------------------------------------- gated delta-rule hybrids
 
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid")
+CONV_FAMILIES = ("lfm2", "lfm2_moe")  # short gated convolution (model_patches/lfm2.py)
+KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA: the delta rule with a decay per key channel
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 HYBRID_KEY_HEADS = 2  # head-parallel CP only at G = 2; state passing at every G
 
@@ -152,12 +154,20 @@ def tiny_hybrid_config(family: str, **overrides):
     heads per key head (qwen3_5, qwen3_next) or 1 (qwen3_5_moe)."""
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
+    if family in MAMBA2_FAMILIES:
+        return tiny_mamba2_config(family, **overrides)
     b = dict(
         _BASE, num_hidden_layers=4, layer_types=HYBRID_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=4,
         linear_value_head_dim=6, linear_num_key_heads=HYBRID_KEY_HEADS, linear_num_value_heads=2 * HYBRID_KEY_HEADS,
     )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    if family == "qwen3_5":
+    if family in CONV_FAMILIES + KDA_FAMILIES:
+        config = _tiny_mixer_config(family)
+    elif family == "olmo_hybrid":  # beta doubled (linear_allow_neg_eigval), as OLMo-Hybrid's default
+        from transformers import OlmoHybridConfig
+
+        config = OlmoHybridConfig(**b, linear_allow_neg_eigval=True)
+    elif family == "qwen3_5":
         config = Qwen3_5TextConfig(**b)
     elif family == "qwen3_next":
         config = Qwen3NextConfig(**b, **moe)
@@ -169,6 +179,30 @@ def tiny_hybrid_config(family: str, **overrides):
     for key, value in overrides.items():
         setattr(config, key, value)
     return config
+
+
+def _tiny_mixer_config(family: str):
+    """LFM2 (-MoE): 4 layers, conv / attention alternating, kernel 4 (3 rows of halo) with a bias.
+    Kimi Linear, Bailing-Hybrid: 4 layers, KDA / MLA attention alternating, 2 KDA heads of dim 8,
+    a sparse MoE after the first layer; Bailing-Hybrid with its default bounded ("safe") gate."""
+    from transformers import BailingHybridConfig, KimiLinearConfig, Lfm2Config, Lfm2MoeConfig
+
+    b = dict(_BASE, num_hidden_layers=4)
+    if family in CONV_FAMILIES:
+        b.pop("head_dim")
+        conv = dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=4, conv_bias=True)
+        if family == "lfm2":
+            return Lfm2Config(**b, **conv, block_auto_adjust_ff_dim=False)
+        return Lfm2MoeConfig(**b, **conv, moe_intermediate_size=16, num_dense_layers=1, num_experts=4, num_experts_per_tok=2)
+    for key in ("head_dim", "num_key_value_heads"):
+        b.pop(key)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+               v_head_dim=6, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+               layer_types=HYBRID_LAYERS, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=2,
+               linear_head_dim=8, linear_conv_kernel_dim=4)
+    if family == "kimi_linear":
+        return KimiLinearConfig(**b, **mla)
+    return BailingHybridConfig(**b, **mla, head_dim=12, num_nextn_predict_layers=0)
 
 
 def slow_decays(model) -> None:
@@ -206,3 +240,63 @@ def tiny_hybrid_vl_model():
                   spatial_merge_size=1, in_channels=3, out_hidden_size=32)
     config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
     return Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation=bdcp.ATTN_IMPLEMENTATION)
+
+
+# --------------------------------------------------------------------------- Mamba2 (SSD) hybrids
+
+MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2", "mamba2")
+MAMBA2_SIZES = dict(heads=4, head_dim=8, groups=2, state=8, conv=4, chunk=16)  # 2 heads per group of B, C
+
+
+def tiny_mamba2_config(family: str, **overrides):
+    """Mamba2 layers of 4 heads of dim 8 in 2 groups, state 8, kernel 4, scan chunks of 16 rows (a
+    document of 20 rows crosses two), with attention layers between them where the family has
+    them (Zamba2: its shared block; FalconH1: attention beside the mixer in every layer, and its
+    μP multipliers away from 1)."""
+    from transformers import BambaConfig, FalconH1Config, GraniteMoeHybridConfig, Mamba2Config, NemotronHConfig, Zamba2Config
+
+    m = MAMBA2_SIZES
+    b = dict(_BASE, num_hidden_layers=4)
+    mamba = dict(mamba_n_heads=m["heads"], mamba_d_head=m["head_dim"], mamba_n_groups=m["groups"], mamba_d_state=m["state"],
+                 mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"], mamba_expand=1)
+    if family == "nemotron_h":
+        b.pop("num_hidden_layers")
+        config = NemotronHConfig(
+            **b, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=m["heads"],
+            mamba_head_dim=m["head_dim"], n_groups=m["groups"], ssm_state_size=m["state"], conv_kernel=m["conv"],
+            chunk_size=m["chunk"], expand=1,
+        )
+    elif family == "granitemoehybrid":
+        b.pop("head_dim")
+        config = GraniteMoeHybridConfig(
+            **b, **mamba, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=16, embedding_multiplier=2.0, residual_multiplier=0.7,
+            attention_multiplier=0.3, logits_scaling=2.0,
+        )
+    elif family == "bamba":
+        b.pop("head_dim")
+        config = BambaConfig(**b, **mamba, attn_layer_indices=[1, 3])
+    elif family == "falcon_h1":
+        config = FalconH1Config(
+            **dict(b, num_hidden_layers=2), **mamba, mamba_d_ssm=m["heads"] * m["head_dim"],
+            ssm_multipliers=[1.5, 0.5, 1.2, 0.8, 1.1], ssm_in_multiplier=1.3, ssm_out_multiplier=0.9,
+        )
+    elif family == "zamba2":
+        b.pop("head_dim")
+        config = Zamba2Config(
+            **b, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=m["heads"],
+            mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"], chunk_size=m["chunk"],
+            mamba_expand=1, num_mem_blocks=1, adapter_rank=4,
+        )
+    elif family == "mamba2":
+        config = Mamba2Config(
+            vocab_size=VOCAB, hidden_size=b["hidden_size"], num_hidden_layers=2, num_heads=m["heads"],
+            head_dim=m["head_dim"], n_groups=m["groups"], state_size=m["state"], conv_kernel=m["conv"],
+            chunk_size=m["chunk"], expand=1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, initializer_range=b["initializer_range"],
+        )
+    else:
+        raise ValueError(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config

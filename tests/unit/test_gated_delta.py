@@ -80,8 +80,8 @@ def _mixer_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
     rows, kw = mixed.shape[0], spec.key_heads * spec.key_dim
     q, k, v = mixed.split([kw, kw, spec.value_heads * spec.value_dim], dim=-1)
     q, k, v = q.reshape(rows, spec.key_heads, -1), k.reshape(rows, spec.key_heads, -1), v.reshape(rows, spec.value_heads, -1)
-    g = -spec.A_log.float().exp() * torch.nn.functional.softplus(a.float() + spec.dt_bias)
-    return torch_delta_rule(q, k, v, g, b.sigmoid(), RunTable.build(rule_runs, "cpu"), torch_rule=spec.torch_rule)[0]
+    beta, g = spec.gates(b, a, slice(None))
+    return torch_delta_rule(q, k, v, g, beta, RunTable.build(rule_runs, "cpu"), torch_rule=spec.torch_rule)[0]
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)

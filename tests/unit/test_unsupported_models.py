@@ -21,7 +21,7 @@ from hf_blockdiag_cp.model_patches import UNSUPPORTED_MODEL_TYPES, apply_model_p
 from helpers.model_zoo import build_pair
 
 # Stock defaults that do not build as they are.
-_CONFIG_FIXES = {"lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}}
+_CONFIG_FIXES: dict[str, dict] = {}
 
 _SMALL = dict(
     vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -32,8 +32,6 @@ _HYBRIDS = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, mamba_d_state=4, mamba_dt_rank=4),
     "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, head_dim=8),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_experts=2, num_experts_per_tok=1,
-                     moe_intermediate_size=16, num_dense_layers=1),
 }
 
 

@@ -1,0 +1,97 @@
+"""What every recurrent token-mixer patch does around its mixer: when the packed path runs, which
+context it runs in, and how the patched forward is installed.
+
+A patched mixer layer (gated delta rule, KDA, short gated convolution) runs its stock forward
+outside a CP step unless the caller passes `cu_seq_lens_q` (a packed row without CP), and always
+when a cache holds earlier state (generation). Otherwise it takes one packed row `[1, L, D]`,
+keyword arguments only, zeroes the rows a 2-D attention mask marks as padding as the stock
+forward does, and mixes per document in the step's `MixerContext`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import types
+from typing import Callable
+
+import torch
+
+from hf_blockdiag_cp.mixers import MixerContext
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
+from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
+
+_MIXER_CLASSES = ("GatedDeltaNet", "DeltaAttention", "ShortConv")  # the class names of the patched mixer layers
+
+
+def _has_previous_state(module, cache) -> bool:
+    if cache is None:
+        return False
+    state = getattr(cache, "has_previous_state", False)
+    return bool(state(module.layer_idx) if callable(state) else state)
+
+
+def packed_rows(module, hidden_states: torch.Tensor, args, kwargs):
+    """`(step or None, rows [L, D])` when the packed path runs, None when the stock forward must."""
+    step = kwargs.get(STEP_KWARG) or active_step()
+    cache = kwargs.get("cache", kwargs.get("cache_params"))
+    if step is None and kwargs.get("cu_seq_lens_q") is None:
+        return None
+    if _has_previous_state(module, cache):
+        if step is None:
+            return None
+        raise ValueError(f"blockdiag_cp: {type(module).__name__} cannot continue from a cache inside a CP step")
+    if args or hidden_states.shape[0] != 1:
+        raise ValueError(
+            f"blockdiag_cp: packed {type(module).__name__} takes one packed row, hidden_states [1, L, D] and keyword "
+            f"arguments; got shape {tuple(hidden_states.shape)} and {len(args)} positional arguments"
+        )
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.ndim == 2:
+        hidden_states = (hidden_states * mask[:, :, None]).to(hidden_states.dtype)
+    return step, hidden_states[0]
+
+
+def mixer_context(module, step, kwargs, rows: int) -> MixerContext:
+    """The step's context, or one packed row's documents from `cu_seq_lens_q` outside a step."""
+    if step is None:
+        return MixerContext.from_runs(MixerRuns.documents(kwargs["cu_seq_lens_q"], rows))
+    if rows != step.local_len:
+        raise ValueError(
+            f"blockdiag_cp: {type(module).__name__} got {rows} rows in a CP step whose shards hold {step.local_len}; "
+            "feed the local batch returned by make_cp_blockdiag_batch_and_ctx"
+        )
+    return MixerContext.from_step(step)
+
+
+def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool], forward: Callable,
+            check: Callable[[torch.nn.Module], object] | None = None) -> int:
+    """Bind `forward` on every module of `model` that `is_layer` accepts (after `check(module)`, which
+    raises now rather than at the first step); returns how many."""
+    patched = 0
+    for module in model.modules():
+        if is_layer(module):
+            if check is not None:
+                check(module)
+            module.forward = types.MethodType(forward, module)
+            patched += 1
+    return patched
+
+
+@contextlib.contextmanager
+def stock_torch_kernels(model: torch.nn.Module):
+    """Run the stock (unpatched) model's token-mixer layers (gated delta rule, KDA, short convolution)
+    on Transformers' own torch convolution and chunked rules even where flash-linear-attention or
+    causal-conv1d is installed (Transformers swaps those in at import): a stock baseline or reference
+    then uses the same kernels as the patch's torch path. No-op for a model without such layers."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith(_MIXER_CLASSES)}
+    names = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn")
+    saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
+    for mod, name, fn in saved:
+        setattr(mod, name, inspect.unwrap(fn))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
