@@ -46,7 +46,7 @@ def test_bench_model_compiled_cpu_smoke(tmp_path, eager_baselines):
     """`--compile layers`: ours and the baseline compiled alike (activation checkpointing on, the
     default), something compiled for each, nothing after each method's first step; with
     `--eager-baselines` nothing compiled for the baseline."""
-    torch._dynamo.reset()  # count this run's compilations, not cache hits of an earlier test's
+    torch.compiler.reset()  # count this run's compilations, not cache hits of an earlier test's
     bench_main(["model", "--tiny", "--device", "cpu", "--layers", "2", "--methods", "blockdiag_cp/dense", "hf_sdpa",
                 "--seq-lens", "128", "--block-steps", "2", "--mean-doc-len", "32", "--dtype", "float32",
                 "--compile", "layers", "--compile-backend", "aot_eager", "--out", str(tmp_path)]

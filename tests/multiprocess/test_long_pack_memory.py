@@ -11,6 +11,7 @@ import torch
 import hf_blockdiag_cp as bdcp
 from helpers.reference import build_models, compare_with_reference, make_pack, reference_loss_and_grads
 from helpers.trainer import tiny_model
+from hf_blockdiag_cp.compat.transformers import checkpoint_function
 from hf_blockdiag_cp.integrations.memory import CheckpointOffload, enable_checkpoint_offload, enable_tiled_mlp
 
 TOL = 1e-5
@@ -76,9 +77,9 @@ def test_helpers_are_idempotent():
     enable_tiled_mlp(model, 4)
     assert model.model.layers[0].mlp.forward.args[1] == stock
     enable_checkpoint_offload(model)
-    first = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    first = [checkpoint_function(layer) for layer in model.model.layers]
     enable_checkpoint_offload(model)
-    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == first
+    assert [checkpoint_function(layer) for layer in model.model.layers] == first
     assert len({id(f) for f in first}) == 1 and isinstance(first[0], CheckpointOffload)
 
 

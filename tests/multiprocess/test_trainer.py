@@ -140,19 +140,17 @@ class _GraphsCompiled(TrainerCallback):
         self.totals = []
 
     def on_step_end(self, args, state, control, **kwargs):
-        from torch._dynamo.utils import counters
+        from hf_blockdiag_cp.compat.torch import compile_counters
 
-        self.totals.append(int(counters["stats"]["unique_graphs"]))
+        self.totals.append(compile_counters()["graphs_compiled"])
 
 
 def compiled_case(rank, world_size, group, arg_overrides):
     """The dp1 x cp2 run with `torch_compile=True` (aot_eager: inductor is slow on this CPU)."""
-    import torch._dynamo
-
     from hf_blockdiag_cp.compat.transformers import checkpoint_function
     from hf_blockdiag_cp.integrations.compile import CompiledCheckpointBody
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     totals = _GraphsCompiled()
     with accelerate_env(rank, world_size) as out:
         model = tiny_model()

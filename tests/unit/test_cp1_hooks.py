@@ -450,7 +450,7 @@ def test_hf_model_on_sdpa_with_gradient_checkpointing():
 def test_a_compiled_hooked_forward_raises(region):
     """torch.compile is not supported through the hooks: an armed pack met while dynamo traces the
     model, a decoder layer or the hooked attention raises (not a silent eager fallback)."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     _, model = build_models("llama")
     model.set_attn_implementation("sdpa")
     attach_cp1_packed_varlen_hooks(model)
@@ -463,7 +463,7 @@ def test_a_compiled_hooked_forward_raises(region):
 
 def test_compiled_modules_without_hooked_attention_stay_exact():
     """Compiling only modules that hold no hooked attention (the MLPs) leaves the packed step exact."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     ref, _ = build_models("llama")
     docs = make_docs(LENGTHS)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
