@@ -16,15 +16,9 @@ _SSM_HYBRID = "a hybrid of attention and state-space (Mamba) layers"
 
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
     "mamba": _SSM,
-    "mamba2": _SSM,
     "falcon_mamba": _SSM,
     "jamba": _SSM_HYBRID,
-    "bamba": _SSM_HYBRID,
     "zamba": _SSM_HYBRID,
-    "zamba2": _SSM_HYBRID,
-    "falcon_h1": "parallel attention and state-space (Mamba) mixers in every layer",
-    "granitemoehybrid": _SSM_HYBRID,
-    "nemotron_h": _SSM_HYBRID,
     "minimax": "a hybrid of attention and lightning (linear) attention layers",
     "recurrent_gemma": "gated linear recurrence (RG-LRU) and causal convolution layers",
     "rwkv": "RWKV time-mixing recurrences instead of softmax attention",

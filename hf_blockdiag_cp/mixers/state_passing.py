@@ -4,15 +4,18 @@ from other ranks (`planning.mixer_plan`, "states"), at any CP size and layout.
 Convolution: every rank all-gathers the last `width` rows of each of its pieces; each piece is
 convolved with the rows before it prepended (`ConvHaloPlan`).
 
-Delta rule: the local pass runs every run of the rank from a zero state and returns each run's final
-state F. A transition pass runs the carried runs (those continuing a document) with values zero and
-the identity as initial state: its final state is the run's transition P (S_end = P·S_start + F) and
-its output the coefficients of the start state in each row's output (o = o_zero + o_P · S_start).
-One all-gather of every piece's (P, F) gives each carried run its start state, composed along the
-document's earlier pieces, and its rows get o_P · S_start added. Every step is differentiable, so
-backward passes state gradients back the same way (reduce-scatter). Every rank issues the same two
-all-gathers per layer whatever its rows hold, and `comm.blocks.after` ties each layer's second
-gather to its first, so their backwards run in the same order on every rank (I5).
+Recurrence: the local pass runs every run of the rank from a zero state and returns each run's
+final state F. The state at the end of a run is affine in its start state, S_end = P·S_start + F;
+one all-gather of every piece's (P, F) gives each carried run (one continuing a document) its
+start state, composed along the document's earlier pieces (`carried_start_states`), and its rows
+get that state's contribution added. For the delta rule P and the contribution come from a
+transition pass over the carried runs (values zero, the identity as initial state: its final state
+is P, its output the coefficients of the start state in each row's output). For Mamba2's SSD scan
+P is a scalar decay per head, exp(sum dt·A), and a row's contribution C_t·S_start decayed to t,
+computed directly. Every step is differentiable, so backward passes state gradients back the same
+way (reduce-scatter). Every rank issues the same two all-gathers per layer whatever its rows hold,
+and `comm.blocks.after` ties each layer's second gather to its first, so their backwards run in
+the same order on every rank (I5).
 """
 
 from __future__ import annotations
@@ -94,6 +97,35 @@ def _carried_runs(plan: StatePassingPlan) -> MixerRuns:
     return MixerRuns(bounds, torch.ones(lengths.numel(), dtype=torch.bool))
 
 
+def carried_start_states(ctx: MixerContext, final, transition, compose, order_after):
+    """The state entering each carried run of this rank, from every piece's (transition, final state).
+
+    `final [n_runs, *state]`: each local run's final state from a zero start; `transition [c, *p]`: each
+    carried run's transition P (S_end = P·S_start + F); `compose(p, s)`: P·S for one block. One
+    all-gather (after `order_after`) of every piece's (P, F); each carried run's start state is its
+    document's chain of earlier pieces composed in pack order. -> (`[c, *state]` fp32 or None when this
+    rank has no carried run, the gathered blocks: order what follows after them)."""
+    states = _states(ctx, final.device)
+    plan = states.plan
+    p_shape, s_shape = tuple(transition.shape[1:]), tuple(final.shape[1:])
+    p_size = torch.Size(p_shape).numel()
+    blocks = torch.cat([_with_zero_row(transition.float().flatten(1)).index_select(0, states.transition_index),
+                        _with_zero_row(final.float().flatten(1)).index_select(0, states.final_index)], dim=-1)
+    blocks = after(blocks, order_after)
+    gathered = all_gather_blocks(blocks, ctx.group, ctx.world_size).reshape(-1, blocks.shape[-1])
+    if not plan.carried.numel():
+        return None, gathered
+    p = gathered[:, :p_size].reshape((-1,) + p_shape)
+    f = gathered[:, p_size:].reshape((-1,) + s_shape)
+    starts = []
+    for chain in plan.chains:
+        state = f[chain[0]]
+        for block in chain[1:]:
+            state = compose(p[block], state) + f[block]
+        starts.append(state)
+    return torch.stack(starts), gathered
+
+
 def delta_rule_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v, g, beta, torch_rule, order_after):
     """This rank's rows of the gated delta rule over documents spread across ranks -> `[L, Hv, Dv]`.
     q, k `[L, Hk, Dk]`, v `[L, Hv, Dv]`, g, beta `[L, Hv]`; `order_after`: the layer's earlier gather."""
@@ -101,7 +133,7 @@ def delta_rule_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v
     plan = states.plan
     local = ctx.table("local_runs", lambda: plan.runs, q.device)
     out, final = kernel.fn(q, k, v, g, beta, local, None, True, torch_rule)
-    hv, dk, dv = v.shape[1], q.shape[2], v.shape[2]
+    hv, dk = v.shape[1], q.shape[2]
     n_carried = plan.carried.numel()
     if n_carried:
         rows = states.carried_rows
@@ -111,18 +143,34 @@ def delta_rule_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v
                                       g.index_select(0, rows), beta.index_select(0, rows), carried, eye, True, torch_rule)
     else:
         coeff, transition = None, final.new_zeros(0, hv, dk, dk)
-    blocks = torch.cat([_with_zero_row(transition.float()).index_select(0, states.transition_index),
-                        _with_zero_row(final.float()).index_select(0, states.final_index)], dim=-1)
-    blocks = after(blocks, order_after)
-    gathered = all_gather_blocks(blocks, ctx.group, ctx.world_size).reshape(-1, hv, dk, dk + dv)
-    if not n_carried:
+    starts, gathered = carried_start_states(ctx, final, transition, torch.matmul, order_after)
+    if starts is None:
         return after(out, gathered)
-    p, f = gathered[..., :dk], gathered[..., dk:]
-    corrections = []
-    for (a, b), chain in zip(states.carried_spans, plan.chains):
-        state = f[chain[0]]
-        for block in chain[1:]:
-            state = p[block] @ state + f[block]
-        corrections.append(torch.einsum("thk,hkv->thv", coeff[a:b].float(), state))
-    rows = states.carried_rows
-    return out.index_copy(0, rows, (out.index_select(0, rows).float() + torch.cat(corrections)).to(out.dtype))
+    corrections = [torch.einsum("thk,hkv->thv", coeff[a:b].float(), state) for (a, b), state in zip(states.carried_spans, starts)]
+    return _add_rows(out, states.carried_rows, torch.cat(corrections))
+
+
+def ssd_with_states(ctx: MixerContext, kernel: MixerKernelRecord, x, dt, A, B, C, D, torch_scan, chunk_size: int, order_after):
+    """This rank's rows of Mamba2's SSD scan over documents spread across ranks -> `[L, H, P]`.
+    x `[L, H, P]`, dt `[L, H]` (after bias, softplus, clamp), A, D `[H]`, B, C `[L, G, N]`. The transition
+    of a run is a scalar per head, exp(sum dt·A), and a start state S adds C_t·S, decayed from the run's
+    start to row t, to each row t: no second scan."""
+    states = _states(ctx, x.device)
+    local = ctx.table("local_runs", lambda: states.plan.runs, x.device)
+    out, final = kernel.fn(x, dt, A, B, C, D, local, None, True, torch_scan, chunk_size)
+    rows, heads = states.carried_rows, x.shape[1]
+    log_decay = dt.index_select(0, rows).float() * A.float()  # [R, H], as the torch scan forms dt·A
+    cumulative = [log_decay[a:b].cumsum(0) for a, b in states.carried_spans]
+    transition = torch.stack([c[-1] for c in cumulative]).exp() if cumulative else final.new_zeros(0, heads)
+    starts, gathered = carried_start_states(ctx, final, transition, lambda p, s: p[:, None, None] * s, order_after)
+    if starts is None:
+        return after(out, gathered)
+    c_rows = C.index_select(0, rows).float().repeat_interleave(heads // C.shape[1], dim=1)  # [R, H, N]
+    corrections = [torch.einsum("thn,hpn->thp", c_rows[a:b], state) * cum.exp()[..., None]
+                   for (a, b), cum, state in zip(states.carried_spans, cumulative, starts)]
+    return _add_rows(out, rows, torch.cat(corrections))
+
+
+def _add_rows(out, rows, added):
+    """`out` with `added` (fp32) added to its `rows`."""
+    return out.index_copy(0, rows, (out.index_select(0, rows).float() + added).to(out.dtype))

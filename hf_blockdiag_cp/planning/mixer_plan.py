@@ -237,7 +237,10 @@ def plan_conv_halo(layout: Layout, rank: int, width: int) -> ConvHaloPlan:
 @dataclass(frozen=True)
 class MixerShape:
     """One mixer layer's sizes: key heads and dim, value heads and dim, convolution channels and
-    kernel size (0: none), the bytes of an activation element (2 in bf16)."""
+    kernel size (0: none), the bytes of an activation element (2 in bf16). `scalar_decay`: a run's
+    transition is one decay per value head (Mamba2's SSD: key heads and dim are B and C's groups and
+    state size) instead of a [Dk, Dk] matrix (the delta rule); `head_parallel`: whether the mixer has
+    the head-parallel transport."""
 
     key_heads: int
     key_dim: int
@@ -246,6 +249,8 @@ class MixerShape:
     conv_channels: int = 0
     conv_kernel: int = 0
     bytes_per_element: int = 2
+    scalar_decay: bool = False
+    head_parallel: bool = True
 
     @property
     def input_channels(self) -> int:
@@ -254,7 +259,10 @@ class MixerShape:
 
     @property
     def state_elements(self) -> int:
-        """One transition and one final state per value head, fp32: [Hv, Dk, Dk + Dv]."""
+        """One transition and one final state per value head, fp32: [Hv, Dk, Dk + Dv], or [Hv, 1 + Dk·Dv]
+        with a scalar decay."""
+        if self.scalar_decay:
+            return self.value_heads * (1 + self.key_dim * self.value_dim)
         return self.value_heads * self.key_dim * (self.key_dim + self.value_dim)
 
 
@@ -278,6 +286,8 @@ DEFAULT_MIXER_COST = MixerCost()
 
 def heads_split_reason(shape: MixerShape, cp_size: int) -> str | None:
     """Why the head-parallel transport cannot split this layer over `cp_size` ranks, or None."""
+    if not shape.head_parallel:
+        return "this mixer has no head-parallel transport"
     if shape.key_heads % cp_size or shape.value_heads % cp_size:
         return (f"head-parallel needs the key heads ({shape.key_heads}) and value heads ({shape.value_heads}) "
                 f"divisible by the CP size G={cp_size}")

@@ -279,12 +279,14 @@ class CPStep:
     overlapped_queries: int = 0  # query rows attended while an exchange was in flight, this step (recompute included)
     mixer_backend: str = "auto"  # kernels of recurrent token mixers (CPConfig.mixer_backend)
     mixer_transport: str = "auto"  # how they cross the group (CPConfig.mixer_transport)
+    attention_free: bool = False  # set by the token mixers of a model without attention layers (Mamba2)
 
     @contextlib.contextmanager
     def activate(self):
         """Make this the active step for forward AND backward; on a clean exit, raise if no
         attention call went through `blockdiag_cp` (every layer would have attended only inside
-        its local shard), else log what ran (`log_choices`)."""
+        its local shard) in a model that has attention (`attention_free`), else log what ran
+        (`log_choices`)."""
         global _ACTIVE_STEP
         previous = _ACTIVE_STEP
         _ACTIVE_STEP = self
@@ -292,7 +294,7 @@ class CPStep:
             yield self
         finally:
             _ACTIVE_STEP = previous
-        if self.attention_calls == 0:
+        if self.attention_calls == 0 and not self.attention_free:
             raise RuntimeError(
                 "blockdiag_cp: no attention call went through 'blockdiag_cp' during this CP step, so every layer "
                 f"attended only inside its local shard. {_no_attention_cause(self.model)}"

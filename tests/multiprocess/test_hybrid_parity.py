@@ -1,4 +1,5 @@
-"""Gated delta-rule hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE) train exactly under CP (I1, I2, I5).
+"""Gated delta-rule and KDA hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE, OLMo-Hybrid; Kimi Linear,
+Bailing-Hybrid) train exactly under CP (I1, I2, I5).
 
 Gloo parity: loss and every gradient at G = 1-4, against the stock model with `eager` attention
 run on each document separately. The linear layers have 2 key heads, so G = 3 and 4 run by state
@@ -20,14 +21,13 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
-from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
-from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair
-from helpers.packs import make_pack
-from helpers.reference import compare_with_reference, make_docs, mean_over_group, reference_loss_and_grads
+from hf_blockdiag_cp.planning import PAIR_COUNT
+from helpers.model_zoo import HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair
+from helpers.packs import long_pack, make_pack
+from helpers.reference import compare_with_reference, mean_over_group, reference_loss_and_grads
 
 TOL = 1e-4
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cost=PAIR_COUNT)
-LOCAL = 96  # rows per rank of the long pack
 
 
 def heads_transport_case(rank, world_size, group):
@@ -56,21 +56,6 @@ def heads_transport_case(rank, world_size, group):
 def test_heads_transport_matches_indexing(gloo, world_size):
     for rank, checks in enumerate(gloo(world_size).run(heads_transport_case)):
         assert checks == (True, True, True), f"rank {rank}: (values, gradient, round trip) = {checks}"
-
-
-def long_pack(world_size: int):
-    """1-token documents, then one document over three ranks (G >= 3; both ranks at G = 2; 212 tokens:
-    four chunks of 64), short documents, then 3 padding tokens; `LOCAL` rows per rank."""
-    total = LOCAL * world_size
-    long_doc = min(2 * LOCAL + 20, total - 12)
-    lengths = [1, 3, long_doc, 1]
-    rest = total - 3 - sum(lengths)
-    lengths += [12] * (rest // 12) + ([rest % 12] if rest % 12 else [])
-    docs = make_docs(lengths, seed=4)
-    ids = torch.cat(docs + [torch.zeros(3, dtype=torch.long)])[None]
-    labels = ids.clone()
-    labels[0, -3:] = -100
-    return docs, {"input_ids": ids, "labels": labels, "document_ids": document_ids_from_lengths(lengths, ids.shape[1])[None]}
 
 
 def _run(model, batch, group, strategy, checkpointing, transport="auto"):
@@ -111,7 +96,7 @@ def hybrid_parity_case(rank, world_size, group, family):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES + KDA_FAMILIES)
 def test_hybrid_matches_per_document_reference(gloo, family, world_size):
     outputs = gloo(world_size).run(hybrid_parity_case, family=family)
     for rank, (results, permuted) in enumerate(outputs):

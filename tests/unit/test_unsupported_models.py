@@ -31,7 +31,6 @@ _SMALL = dict(
 _HYBRIDS = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=2, mamba_d_state=4, mamba_dt_rank=4),
-    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=4, head_dim=8),
 }
 
 

@@ -1,0 +1,119 @@
+"""Kernels of Mamba2's chunked SSD scan over the runs of a `RunTable` (`mixer_registry`).
+
+Per head h: S_t = exp(dt_t·A_h)·S_{t-1} + dt_t·x_t ⊗ B_t and y_t = S_t·C_t + D_h·x_t, the state
+zero at every run's first row. Every kernel takes `dt` already through the layer's bias,
+softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchanged.
+
+- `torch`: Transformers' own `mamba2_chunk_scan` of the model's family (passed in as
+  `torch_scan`, so the stock model and ours compute alike), batched as the torch delta rule
+  batches its runs (`delta_rule.plan_buckets`: one gather in, one gather out, runs of similar
+  length in one call, zero rows at each run's end), so the cost grows linearly with the runs.
+- `mamba_ssm`: mamba-ssm's Triton `mamba_chunk_scan_combined` with `seq_idx`, refused until it is
+  verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .delta_rule import plan_buckets
+from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
+
+# Where mamba-ssm's chunked scan was checked forward and backward against a float64 reference:
+# (compute capability major, dtype). Empty: not yet verified anywhere.
+MAMBA_SSM_VERIFIED: frozenset[tuple[int, torch.dtype]] = frozenset()
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
+
+
+def _touch_all(*inputs) -> torch.Tensor:
+    """An fp32 zero that depends on every input: a rank with only padding still gives each parameter a
+    (zero) gradient, as DDP and FSDP expect of every rank."""
+    return sum(t.float().sum() for t in inputs if t is not None) * 0
+
+
+def torch_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
+                   torch_scan=None, chunk_size: int = 256):
+    """`x [T, H, P]`, `dt [T, H]` (after bias, softplus, clamp), `A [H]`, `B`, `C [T, G, N]`, `D [H]`
+    -> (`y [T, H, P]` fp32 as the torch scan returns it, final states `[n, H, P, N]` fp32 or None): the
+    family's torch scan per run."""
+    if torch_scan is None:
+        raise ValueError("the torch SSD scan needs the model family's mamba2_chunk_scan (torch_scan=)")
+    plan = table.cached("torch_buckets", lambda: plan_buckets(table))
+    sizes = [w * n for w, n in zip(plan.widths, plan.counts)]
+    inputs = [_with_zero_row(t).index_select(0, plan.gather).split(sizes) for t in (x, dt, B, C)]
+    outs, finals = [], []
+    for b, (width, count) in enumerate(zip(plan.widths, plan.counts)):
+        xb, dtb, Bb, Cb = (parts[b].reshape((count, width) + tuple(parts[b].shape[1:])) for parts in inputs)
+        state = None if initial_state is None else initial_state.index_select(0, plan.run_ids[b])
+        result = torch_scan(xb, dtb, A, Bb, Cb, chunk_size=chunk_size, D=D, initial_states=state,
+                            return_final_states=output_final_state)
+        out, final = result if output_final_state else (result, None)
+        outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
+        finals.append(final)
+    if outs:
+        flat = torch.cat(outs).float()
+    else:
+        flat = x.new_zeros((0,) + tuple(x.shape[1:]), dtype=torch.float32) + _touch_all(x, dt, A, B, C, D)
+    out = _with_zero_row(flat).index_select(0, plan.scatter)
+    if not output_final_state:
+        return out, None
+    n, heads, head_dim, state = table.runs.lengths.numel(), x.shape[1], x.shape[2], B.shape[2]
+    final = torch.zeros(n, heads, head_dim, state, dtype=torch.float32, device=x.device)
+    if finals:
+        final = final.index_put((torch.cat(plan.run_ids),), torch.cat(finals).float())
+    return out, final
+
+
+def torch_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    return None
+
+
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "ssd_scan", torch_ssd_scan, torch_check, auto_priority=10))
+
+
+# --------------------------------------------------------------------------- mamba-ssm
+
+
+def mamba_ssm_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    if device.type != "cuda":
+        return f"mamba-ssm needs a CUDA device; got {device.type}"
+    if importlib.util.find_spec("mamba_ssm") is None:
+        return "mamba-ssm is not installed"
+    major = torch.cuda.get_device_capability(device)[0]
+    if (major, dtype) not in MAMBA_SSM_VERIFIED:
+        return f"mamba-ssm's chunked scan was not verified for compute capability {major}.x and {dtype} (verified: nowhere yet)"
+    return None
+
+
+def _seq_idx(table: RunTable) -> torch.Tensor:
+    """`[1, T]` int32: each row's run, as mamba-ssm's `seq_idx` (cached per table)."""
+    def build():
+        runs = table.runs
+        ids = torch.repeat_interleave(torch.arange(runs.lengths.numel(), dtype=torch.int32), runs.lengths)
+        return ids[None].to(table.cu_seqlens.device)
+
+    return table.cached("seq_idx", build)
+
+
+def mamba_ssm_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
+                   torch_scan=None, chunk_size: int = 256):
+    """mamba-ssm's chunked scan over every run of `table` (`seq_idx`; one final state per run)."""
+    del torch_scan
+    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+    if initial_state is not None:
+        raise ValueError("mamba_ssm_scan: initial states per run are not supported; state passing adds them")
+    result = mamba_chunk_scan_combined(
+        x[None], dt[None], A, B[None], C[None], chunk_size, D=D, seq_idx=_seq_idx(table),
+        cu_seqlens=table.cu_seqlens if output_final_state else None, return_varlen_states=output_final_state,
+    )
+    out, final = (result[0][0], result[1].float()) if output_final_state else (result[0], None)
+    return out * table.row_is_document[:, None, None].to(out.dtype), final
+
+
+MAMBA_SSM = register_mixer_kernel(MixerKernelRecord("mamba_ssm", "ssd_scan", mamba_ssm_scan, mamba_ssm_check, auto_priority=0))

@@ -1,0 +1,127 @@
+"""Mamba2, NemotronH, GraniteMoeHybrid, Bamba, FalconH1 and Zamba2: exact packed Mamba2 (SSD)
+layers, at cp = 1 and under CP.
+
+Why: these models mix tokens with Mamba2 layers that do not go through the attention interface.
+On a packed row Transformers' torch path runs their causal convolution and their SSD scan across
+document boundaries (its mamba-ssm path takes `seq_idx`, its torch path ignores it), and under CP
+each rank would see only its shard. The patch replaces each Mamba2 mixer instance's `forward` (its
+parameters unchanged) with one that projects as the stock forward does (FalconH1's input and μP
+multipliers included), runs the token mixer of `hf_blockdiag_cp.mixers.ssd` (convolution and scan
+restarted at every document; under CP by state passing), then the gated norm (or FalconH1's plain
+SiLU gate) and the output projection. Outputs, loss and gradients equal the stock model run on each
+document alone.
+
+When the packed path runs is `packed_mixer`'s rule: outside a CP step the layer is stock unless the
+caller passes `cu_seq_lens_q`; a cache holding earlier state (generation) always runs the stock
+forward; a fresh cache is left unwritten by the packed path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_blockdiag_cp.mixers.ssd import SsdLayer, ssd_mix
+
+from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
+
+from .gated_delta import family_function
+from .packed_mixer import install, mixer_context, packed_rows
+from .registry import ModelPatch, register_patch
+
+MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
+_ATTRIBUTES = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
+               "ssm_state_size", "chunk_size", "time_step_limit", "intermediate_size", "conv_dim")
+_MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba2 mixer
+ATTENTION_FREE_TYPES = ("mamba2",)  # no attention layer: a CP step expects no attention call
+
+
+def has_mamba_layers(config) -> bool:
+    """Whether the config has Mamba2 layers (no layer types: assume so)."""
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or any(t in _MIXER_LAYER_TYPES for t in layer_types)
+
+
+def is_ssd_mixer(module: torch.nn.Module) -> bool:
+    """A Mamba2 mixer of a family with Transformers' torch `mamba2_chunk_scan`."""
+    return all(hasattr(module, a) for a in _ATTRIBUTES) and hasattr(sys.modules[type(module).__module__], "mamba2_chunk_scan")
+
+
+def _torch_scan(module):
+    return family_function(module, "mamba2_chunk_scan")
+
+
+def mixer_layer(module) -> SsdLayer:
+    """What the token mixer reads of a Mamba2 mixer module (its parameters, not copies)."""
+    return SsdLayer(
+        name=f"{type(module).__name__} (layer {module.layer_idx})", heads=module.num_heads, head_dim=module.head_dim,
+        groups=module.n_groups, state_size=module.ssm_state_size, chunk_size=module.chunk_size,
+        conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=module.activation,
+        A_log=module.A_log, dt_bias=module.dt_bias, D=module.D, time_step_limit=tuple(module.time_step_limit),
+        torch_scan=_torch_scan(module),
+    )
+
+
+def _project(module, hidden: torch.Tensor):
+    """Rows `[L, D]` -> gate `[L, I]`, pre-convolution x|B|C `[L, I + 2·G·N]` and raw dt `[L, H]`,
+    exactly as the stock forward builds them (FalconH1: times its input and μP multipliers)."""
+    x = hidden[None]
+    if hasattr(module, "ssm_in_multiplier"):
+        x = x * module.ssm_in_multiplier
+    projected = module.in_proj(x)
+    if hasattr(module, "mup_vector"):
+        projected = projected * module.mup_vector
+    return projected[0].split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+
+
+@torch.compiler.disable
+def _mix_documents(module, step, kwargs, rows: int, xbc, dt) -> torch.Tensor:
+    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
+    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
+    return ssd_mix(mixer_layer(module), xbc, dt, mixer_context(module, step, kwargs, rows))
+
+
+def packed_forward(self, hidden_states, *args, **kwargs):
+    """Mamba2 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
+    entry = packed_rows(self, hidden_states, args, kwargs)
+    if entry is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    step, x = entry
+    rows, dtype = x.shape[0], hidden_states.dtype
+    gate, xbc, dt = _project(self, x)
+    scan = _mix_documents(self, step, kwargs, rows, xbc, dt).reshape(1, rows, -1)
+    if getattr(self, "mamba_rms_norm", True):
+        scan = self.norm(scan, gate[None])
+    else:  # FalconH1 without its gated norm
+        scan = scan * F.silu(gate[None])
+    return self.out_proj(scan.to(dtype))
+
+
+def attention_free_forward(self, hidden_states, *args, **kwargs):
+    """`packed_forward` of a model without attention layers: tells the step that no attention call comes."""
+    step = kwargs.get(STEP_KWARG) or active_step()
+    if step is not None:
+        step.attention_free = True
+    return packed_forward(self, hidden_states, *args, **kwargs)
+
+
+def apply(model: torch.nn.Module) -> None:
+    attention_free = getattr(model.config, "model_type", None) in ATTENTION_FREE_TYPES
+    forward = attention_free_forward if attention_free else packed_forward
+    if install(model, is_ssd_mixer, forward, check=_torch_scan) == 0:
+        raise RuntimeError(
+            f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)} found in {type(model).__name__}"
+        )
+
+
+PATCH = register_patch(
+    ModelPatch(
+        name="mamba2_packed",
+        model_types=MODEL_TYPES,
+        needed=has_mamba_layers,
+        apply=apply,
+        why="Mamba2 layers (convolution and SSD scan) must restart at every document and see the whole pack",
+    )
+)
