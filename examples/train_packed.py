@@ -4,10 +4,12 @@
     torchrun --standalone --nproc-per-node 4 examples/train_packed.py --cp-size 2           # CPU: dp=2 x cp=2
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch qwen3_5   # a tiny hybrid
+    torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch nemotron_h  # Mamba2 hybrid
 
 Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen3_5`: a tiny
-Qwen3.5 hybrid), trained offline on the embedded corpus (`hf_blockdiag_cp.data.corpus`: top-level
-units of the Python standard library, byte tokens), cp = number of processes.
+Qwen3.5 hybrid, `nemotron_h`: a tiny Nemotron-H Mamba2 hybrid), trained offline on the embedded
+corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library, byte
+tokens), cp = number of processes.
 
 Loss (the same number for any dp x cp): per optimizer step, the token-weighted mean
 cross-entropy over every target token of the step's `--packs-per-step` packs,
@@ -55,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: a tiny model from a config, random init)")
     p.add_argument("--tiny-arch", choices=TINY_ARCHS, default=None, help="architecture of the default tiny model: "
-                   "llama (default), or qwen3_5 (gated delta-rule + full-attention layers)")
+                   "llama (default), qwen3_5 (gated delta-rule + full-attention layers) or nemotron_h "
+                   "(Mamba2 + attention + MLP layers)")
     p.add_argument("--random-init", action="store_true", help="with --model: build from its config, random weights")
     p.add_argument("--dataset", default=None, help="a datasets name, or local json/jsonl/csv/parquet/txt file(s) or folder "
                    "(default: the embedded stdlib corpus)")
@@ -94,7 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- model and data
 
 
-TINY_ARCHS = ("llama", "qwen3_5")
+TINY_ARCHS = ("llama", "qwen3_5", "nemotron_h")
 
 
 def tiny_config(arch: str, vocab_size: int, max_tokens: int):
@@ -109,6 +112,11 @@ def tiny_config(arch: str, vocab_size: int, max_tokens: int):
                                  layer_types=["linear_attention"] * 2 + ["full_attention"] * 2,
                                  linear_num_key_heads=4, linear_num_value_heads=8,
                                  linear_key_head_dim=16, linear_value_head_dim=16)
+    if arch == "nemotron_h":  # Mamba2, attention, Mamba2, MLP layers; 4 Mamba2 heads of 16 in 2 groups
+        from transformers import NemotronHConfig
+
+        return NemotronHConfig(**common, head_dim=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                               mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=64)
     from transformers import LlamaConfig
 
     return LlamaConfig(**common, head_dim=64, num_hidden_layers=2)

@@ -22,7 +22,9 @@ from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-_MIXER_CLASSES = ("GatedDeltaNet", "DeltaAttention", "ShortConv")  # the class names of the patched mixer layers
+# the class names of the patched mixer layers (the last five: Mamba2's in its six families)
+_MIXER_CLASSES = ("GatedDeltaNet", "DeltaAttention", "ShortConv", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer",
+                  "MambaMixer", "MambaLayer")
 
 
 def _has_previous_state(module, cache) -> bool:
@@ -81,12 +83,14 @@ def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool],
 
 @contextlib.contextmanager
 def stock_torch_kernels(model: torch.nn.Module):
-    """Run the stock (unpatched) model's token-mixer layers (gated delta rule, KDA, short convolution)
-    on Transformers' own torch convolution and chunked rules even where flash-linear-attention or
-    causal-conv1d is installed (Transformers swaps those in at import): a stock baseline or reference
-    then uses the same kernels as the patch's torch path. No-op for a model without such layers."""
+    """Run the stock (unpatched) model's token-mixer layers (gated delta rule, KDA, short convolution,
+    Mamba2) on Transformers' own torch convolution, chunked rules and scans even where
+    flash-linear-attention, causal-conv1d or mamba-ssm is installed (Transformers swaps those in at
+    import): a stock baseline or reference then uses the same kernels as the patch's torch path.
+    No-op for a model without such layers."""
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith(_MIXER_CLASSES)}
-    names = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn")
+    names = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update",
+             "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined", "mamba2_selective_state_update")
     saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
     for mod, name, fn in saved:
         setattr(mod, name, inspect.unwrap(fn))
