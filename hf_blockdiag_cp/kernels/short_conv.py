@@ -19,7 +19,7 @@ from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mix
 
 # Where fla's convolution was checked forward and backward against a float64 reference
 # (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype).
-FLA_CONV_VERIFIED: frozenset[tuple[int, torch.dtype]] = frozenset()
+FLA_CONV_VERIFIED: frozenset[tuple[int, torch.dtype]] = frozenset({(9, torch.bfloat16)})
 
 
 def run_offsets(table: RunTable) -> torch.Tensor:
