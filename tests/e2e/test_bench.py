@@ -148,11 +148,12 @@ def test_bench_model_memory_features_on_ours_only(tmp_path):
     rows = json.loads((tmp_path / "model.json").read_text())["rows"]
     assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in rows)
     from hf_blockdiag_cp.bench.model_hybrid import build_models
+    from hf_blockdiag_cp.compat.transformers import checkpoint_function
     from hf_blockdiag_cp.integrations.memory import CheckpointOffload
 
     args = argparse.Namespace(**json.loads((tmp_path / "model.json").read_text())["args"])
     models = build_models(args)
-    assert isinstance(models.ours.model.layers[0]._gradient_checkpointing_func, CheckpointOffload)
-    assert not isinstance(models.stock.model.layers[0]._gradient_checkpointing_func, CheckpointOffload)
+    assert isinstance(checkpoint_function(models.ours.model.layers[0]), CheckpointOffload)
+    assert not isinstance(checkpoint_function(models.stock.model.layers[0]), CheckpointOffload)
     assert "_bdcp_stock_forward" in vars(models.ours.model.layers[0].mlp)
     assert "_bdcp_stock_forward" not in vars(models.stock.model.layers[0].mlp)

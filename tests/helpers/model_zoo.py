@@ -15,6 +15,7 @@ import copy
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     DeepseekV3Config,
     Gemma2Config,
     GptOssConfig,
@@ -24,7 +25,6 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen2VLConfig,
-    Qwen2VLForConditionalGeneration,
     Qwen3Config,
 )
 
@@ -104,7 +104,7 @@ def build_pair(family: str, seed: int = 0):
     torch.manual_seed(seed)
     config = tiny_config(family)
     if family.startswith("qwen2_vl"):
-        ref = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="eager", dtype=torch.float32)
+        ref = AutoModelForImageTextToText.from_config(config, attn_implementation="eager", dtype=torch.float32)
     else:
         ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
@@ -232,14 +232,14 @@ def build_hybrid_pair(family: str, seed: int = 0, stock_decays: bool = False, **
 
 def tiny_hybrid_vl_model():
     """A tiny Qwen3.5 vision-language model (text stack as `tiny_hybrid_config("qwen3_5")`) under blockdiag_cp."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers import Qwen3_5Config
 
     text = tiny_hybrid_config("qwen3_5").to_dict()
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0], "partial_rotary_factor": 0.25}
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2, temporal_patch_size=1,
                   spatial_merge_size=1, in_channels=3, out_hidden_size=32)
     config = Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=IMAGE_TOKEN)
-    return Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation=bdcp.ATTN_IMPLEMENTATION)
+    return AutoModelForImageTextToText.from_config(config, attn_implementation=bdcp.ATTN_IMPLEMENTATION)
 
 
 # --------------------------------------------------------------------------- Mamba2 (SSD) hybrids
@@ -248,48 +248,48 @@ MAMBA2_FAMILIES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamb
 MAMBA2_SIZES = dict(heads=4, head_dim=8, groups=2, state=8, conv=4, chunk=16)  # 2 heads per group of B, C
 
 
-def tiny_mamba2_config(family: str, **overrides):
-    """Mamba2 layers of 4 heads of dim 8 in 2 groups, state 8, kernel 4, scan chunks of 16 rows (a
-    document of 20 rows crosses two), with attention layers between them where the family has
-    them (Zamba2: its shared block; FalconH1: attention beside the mixer in every layer, and its
-    μP multipliers away from 1)."""
-    from transformers import BambaConfig, FalconH1Config, GraniteMoeHybridConfig, Mamba2Config, NemotronHConfig, Zamba2Config
+def tiny_mamba2_config(family: str, sizes: dict | None = None, **overrides):
+    """Mamba2 layers of `sizes` (`MAMBA2_SIZES`: 4 heads of dim 8 in 2 groups, state 8, kernel 4,
+    scan chunks of 16 rows, so a document of 20 rows crosses two), with attention layers between
+    them where the family has them (Zamba2: its shared block; FalconH1: attention beside the mixer
+    in every layer, and its μP multipliers away from 1); `overrides` go to the config's constructor."""
+    import transformers
 
-    m = MAMBA2_SIZES
+    m = sizes or MAMBA2_SIZES
     b = dict(_BASE, num_hidden_layers=4)
     mamba = dict(mamba_n_heads=m["heads"], mamba_d_head=m["head_dim"], mamba_n_groups=m["groups"], mamba_d_state=m["state"],
                  mamba_d_conv=m["conv"], mamba_chunk_size=m["chunk"], mamba_expand=1)
     if family == "nemotron_h":
         b.pop("num_hidden_layers")
-        config = NemotronHConfig(
-            **b, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=m["heads"],
+        name, kwargs = "NemotronHConfig", dict(
+            b, layers_block_type=["mamba", "attention", "mamba", "mlp"], mamba_num_heads=m["heads"],
             mamba_head_dim=m["head_dim"], n_groups=m["groups"], ssm_state_size=m["state"], conv_kernel=m["conv"],
             chunk_size=m["chunk"], expand=1,
         )
     elif family == "granitemoehybrid":
         b.pop("head_dim")
-        config = GraniteMoeHybridConfig(
-            **b, **mamba, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
+        name, kwargs = "GraniteMoeHybridConfig", dict(
+            b, **mamba, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
             num_experts_per_tok=2, shared_intermediate_size=16, embedding_multiplier=2.0, residual_multiplier=0.7,
             attention_multiplier=0.3, logits_scaling=2.0,
         )
     elif family == "bamba":
         b.pop("head_dim")
-        config = BambaConfig(**b, **mamba, attn_layer_indices=[1, 3])
+        name, kwargs = "BambaConfig", dict(b, **mamba, attn_layer_indices=[1, 3])
     elif family == "falcon_h1":
-        config = FalconH1Config(
-            **dict(b, num_hidden_layers=2), **mamba, mamba_d_ssm=m["heads"] * m["head_dim"],
+        name, kwargs = "FalconH1Config", dict(
+            b, num_hidden_layers=2, **mamba, mamba_d_ssm=m["heads"] * m["head_dim"],
             ssm_multipliers=[1.5, 0.5, 1.2, 0.8, 1.1], ssm_in_multiplier=1.3, ssm_out_multiplier=0.9,
         )
     elif family == "zamba2":
         b.pop("head_dim")
-        config = Zamba2Config(
-            **b, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=m["heads"],
+        name, kwargs = "Zamba2Config", dict(
+            b, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], n_mamba_heads=m["heads"],
             mamba_ngroups=m["groups"], mamba_d_state=m["state"], mamba_d_conv=m["conv"], chunk_size=m["chunk"],
             mamba_expand=1, num_mem_blocks=1, adapter_rank=4,
         )
     elif family == "mamba2":
-        config = Mamba2Config(
+        name, kwargs = "Mamba2Config", dict(
             vocab_size=VOCAB, hidden_size=b["hidden_size"], num_hidden_layers=2, num_heads=m["heads"],
             head_dim=m["head_dim"], n_groups=m["groups"], state_size=m["state"], conv_kernel=m["conv"],
             chunk_size=m["chunk"], expand=1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
@@ -297,6 +297,4 @@ def tiny_mamba2_config(family: str, **overrides):
         )
     else:
         raise ValueError(family)
-    for key, value in overrides.items():
-        setattr(config, key, value)
-    return config
+    return getattr(transformers, name)(**dict(kwargs, **overrides))

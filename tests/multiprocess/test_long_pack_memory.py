@@ -94,7 +94,7 @@ def second_backward_case(rank, world_size, group):
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     enable_checkpoint_offload(model)
-    offload = model.model.layers[0]._gradient_checkpointing_func
+    offload = checkpoint_function(model.model.layers[0])
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(attn_backend="dense"))
     with train_ctx():
         loss = model(**local).loss

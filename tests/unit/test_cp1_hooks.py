@@ -29,6 +29,7 @@ from hf_blockdiag_cp.attention.sdpa_hooks import (
     disable_cp1_packed_varlen,
     enable_cp1_packed_varlen,
 )
+from hf_blockdiag_cp.compat.torch import unwrapped_name
 from hf_blockdiag_cp.planning import Layout, document_ids_from_lengths
 from helpers.reference import build_models, make_docs, reference_loss_and_grads, rel_err
 
@@ -168,7 +169,7 @@ def _reference(model, docs):
 
 
 def _max_grad_err(model, ref_grads):
-    return max(rel_err(p.grad, ref_grads[n.replace("._checkpoint_wrapped_module", "")]) for n, p in model.named_parameters())
+    return max(rel_err(p.grad, ref_grads[unwrapped_name(n)]) for n, p in model.named_parameters())
 
 
 def _qkv(lengths, heads=4, kv_heads=2, dim=8, dtype=torch.float64):
