@@ -25,10 +25,13 @@ MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "kda")
 
 @dataclass(frozen=True)
 class MixerDims:
-    """What a mixer kernel's check reads of a call: key and value head dims (0 for a convolution)."""
+    """What a mixer kernel's check reads of a call: key and value head dims (0 for a convolution),
+    and whether the call takes initial states and returns final states (state passing), which a
+    kernel may be verified without."""
 
     key_dim: int = 0
     value_dim: int = 0
+    states: bool = False
 
 
 @dataclass(eq=False)

@@ -85,7 +85,7 @@ def _mix_rows(layer: GatedDeltaLayer, ctx: MixerContext, mixed, b, a, states: bo
         mixed = conv.fn(mixed, weight, layer.conv_bias, layer.activation, table)
     q, k, v = _split(mixed, layer.key_heads, layer.key_dim, layer.value_heads, layer.value_dim)
     beta, g = layer.gates(b, a, slice(None))
-    rule = ctx.kernel(layer.op, q, MixerDims(layer.key_dim, layer.value_dim))
+    rule = ctx.kernel(layer.op, q, MixerDims(layer.key_dim, layer.value_dim, states=states))
     if states:
         return delta_rule_with_states(ctx, rule, q, k, v, g, beta, layer.torch_rule, gathered)
     return rule.fn(q, k, v, g, beta, ctx.table("pack", lambda: ctx.runs, q.device), None, False, layer.torch_rule)[0]
