@@ -1,5 +1,5 @@
-"""Gated delta-rule hybrids (Qwen3.5, Qwen3-Next, Qwen3.5-MoE text) in bf16 on one GPU (I1), per
-parameter group, over seeds.
+"""Token-mixer hybrids in bf16 on one GPU (I1), per parameter group, over seeds: the gated delta rule
+(Qwen3.5, Qwen3-Next, Qwen3.5-MoE text) and Mamba2 (NemotronH, GraniteMoeHybrid).
 
 For every seed (model, with Transformers' own initialisation, and documents), three runs of the same pack are measured against the stock model
 in fp32 on each document unpacked (eager attention, Transformers' torch convolution and delta rule,
@@ -51,21 +51,42 @@ PADDING = 6
 GROUPS = ("decay", "linear_attn", "self_attn", "mlp", "other")
 
 
+# Mamba2 hybrids: 4 heads of 64 in 2 groups, state 64, scan chunks of 64 rows; every expert chosen
+GPU_MAMBA2_SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=64, initializer_range=0.02,
+                        sizes=dict(heads=4, head_dim=64, groups=2, state=64, conv=4, chunk=64))
+MAMBA2_GPU_FAMILIES = ("nemotron_h", "granitemoehybrid")
+
+
 def gpu_sizes(family: str) -> dict:
     if family == "qwen3_5":
         return dict(GPU_SIZES, intermediate_size=512)
+    if family == "granitemoehybrid":
+        return dict(GPU_MAMBA2_SIZES, num_local_experts=4, num_experts_per_tok=4, shared_intermediate_size=256)
+    if family in MAMBA2_GPU_FAMILIES:
+        return GPU_MAMBA2_SIZES
     sizes = dict(GPU_SIZES, **GPU_MOE_SIZES)
     if family == "qwen3_5_moe":
         sizes["linear_num_value_heads"] = 2  # one value head per key head, as in model_zoo
     return sizes
 
 
+_MAMBA2_PARTS = (".in_proj.", ".conv1d.", ".norm.", ".out_proj.")  # NemotronH's `mixer` of a Mamba2 layer
+_ATTENTION_PARTS = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.")  # NemotronH's `mixer` of an attention layer
+
+
 def group_of(name: str) -> str:
-    if ".linear_attn." in name:
-        return "decay" if name.endswith(("A_log", "dt_bias")) else "linear_attn"
-    for group in ("self_attn", "mlp"):
-        if f".{group}." in name:
-            return group
+    """The parameter group of `name`: the token mixers' decay parameters (A_log, dt_bias; Mamba2's D)
+    and the rest of the mixers (gated delta rule `linear_attn`, Mamba2 `mamba` or NemotronH's Mamba2
+    `mixer`), attention, MLP, the rest."""
+    if name.endswith((".A_log", ".dt_bias", ".D")):
+        return "decay"
+    if ".linear_attn." in name or ".mamba." in name or (".mixer." in name and any(p in name for p in _MAMBA2_PARTS)):
+        return "linear_attn"
+    if ".self_attn." in name or (".mixer." in name and any(p in name for p in _ATTENTION_PARTS)):
+        return "self_attn"
+    if ".mlp." in name or ".mixer.up_proj." in name or ".mixer.down_proj." in name:
+        return "mlp"
     return "other"
 
 
@@ -153,7 +174,7 @@ def _variants(world_size: int, family: str) -> list[tuple[str, str, str, str]]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe", *MAMBA2_GPU_FAMILIES])
 def test_hybrid_bf16_parity_per_parameter_group(gloo, record_property, family, world_size):
     _require_family(family)
     results = gloo(world_size).run(hybrid_seeds_case, timeout=900, family=family, variants=_variants(world_size, family))
