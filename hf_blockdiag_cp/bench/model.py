@@ -234,7 +234,8 @@ def run(args, report=lambda result: None) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id or local path of a config (overrides --arch)")
     p.add_argument("--arch", choices=sorted(CONFIGS), default="llama",
-                   help="default config: llama (1.2B Llama), qwen3_5 (~1B Qwen3.5-style gated delta-rule hybrid)")
+                   help="default config: llama (1.2B Llama), qwen3_5 (~1B Qwen3.5-style gated delta-rule hybrid), "
+                        "nemotron_h (~1.2B Nemotron-H-style Mamba2 hybrid)")
     p.add_argument("--tiny", action="store_true", help="--arch at toy sizes (CPU smoke runs)")
     p.add_argument("--seq-lens", type=int, nargs="*", default=[16384, 32768, 65536], help="none: only the --fit-methods search")
     p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
@@ -255,7 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--padded-tokens", type=int, default=None,
                    help="hf_padded: padded tokens per batch (gradients accumulated); default the pack length; 0: one batch")
     p.add_argument("--stock-delta-rule", choices=["torch", "installed"], default="torch",
-                   help="stock model's gated delta-rule kernels: Transformers' torch ones (as the patch) or what it picked")
+                   help="stock model's token-mixer kernels (delta rule, Mamba2 scan): Transformers' torch ones "
+                        "(as the patch) or what it picked")
     p.add_argument("--compile", choices=["none", "model", "layers"], default="none",
                    help="torch.compile ours and the stock baselines alike: the whole model or each decoder layer "
                         "(checkpointed layers compile inside their checkpoint; integrations.compile)")
@@ -273,7 +275,7 @@ COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "t
            "frames_compiled", "graphs_compiled", "graphs_compiled_later", "padded_tokens", "mixers"]
 
 
-TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid"}
+TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid", "nemotron_h": "~1.2B Nemotron-H-style hybrid"}
 
 
 def _write(args, result) -> str:

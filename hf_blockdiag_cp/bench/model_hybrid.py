@@ -5,10 +5,14 @@ stock / patched model pair, and the same documents unpacked and padded (`hf_padd
 hidden 2048 (three gated delta-rule layers then one full-attention layer, repeated; linear
 attention with twice as many value heads as key heads, key width hidden / 2, value width
 hidden; full attention at head dim 256 with 4 query heads per KV head; MLP 3x hidden), with
-the Llama config's vocabulary so the two architectures compare. Ours runs on a deep copy with
-the model patches applied; the stock baselines run on the unpatched model, on Transformers' own
-torch convolution and delta rule unless `--stock-delta-rule installed`, so that both sides run
-the same kernels (the patch's torch path calls those same torch functions per document).
+the Llama config's vocabulary so the two architectures compare. `--arch nemotron_h` is a ~1.2B
+Nemotron-H-style hybrid at the same hidden size: 24 layers, Mamba2 and MLP layers alternating with
+one attention layer in four mixer layers (64 Mamba2 heads of 64 in 8 groups, state 128, 128-row
+scan chunks; attention 16 heads of 128 on 4 KV heads; squared-ReLU MLP 4x hidden). Ours runs on
+a deep copy with the model patches applied; the stock baselines run on the unpatched model, on
+Transformers' own torch convolution, delta rule and Mamba2 scan unless `--stock-delta-rule
+installed`, so that both sides run the same kernels (the patch's torch path calls those same
+torch functions per document).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ CONFIG_1B = dict(
     vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
     num_key_value_heads=8, head_dim=64, max_position_embeddings=1 << 20, rope_theta=500000.0, tie_word_embeddings=True,
 )
+# Nemotron-H's pattern at 24 layers: (Mamba2, MLP) x 3 then (attention, MLP), three times
+NEMOTRON_H_LAYERS = (["mamba", "mlp"] * 3 + ["attention", "mlp"]) * 3
 CONFIGS = {
     "llama": ("LlamaConfig", CONFIG_1B),
     "qwen3_5": ("Qwen3_5TextConfig", dict(
@@ -39,12 +45,18 @@ CONFIGS = {
         rope_parameters=dict(rope_type="default", rope_theta=10_000_000.0, partial_rotary_factor=0.25),
         tie_word_embeddings=True,
     )),
+    "nemotron_h": ("NemotronHConfig", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, layers_block_type=NEMOTRON_H_LAYERS,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
+        ssm_state_size=128, conv_kernel=4, chunk_size=128, max_position_embeddings=1 << 20, tie_word_embeddings=True,
+    )),
 }
 # `--tiny`: the same architecture at toy sizes (CPU smoke runs of the script).
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
-# (block steps, rounds) per architecture when not given: the hybrid's stock delta rule is slow.
-TIMING_DEFAULTS = {"llama": (3, 2), "qwen3_5": (3, 1)}
+TINY_MAMBA2 = dict(mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16)
+# (block steps, rounds) per architecture when not given: the hybrids' stock token mixers are slow.
+TIMING_DEFAULTS = {"llama": (3, 2), "qwen3_5": (3, 1), "nemotron_h": (3, 1)}
 
 
 def build_config(args):
@@ -62,7 +74,11 @@ def build_config(args):
         fields = dict(fields, **(TINY if args.tiny else {}))
         if args.tiny and "linear_num_key_heads" in fields:
             fields.update(TINY_LINEAR)
-        if args.layers:
+        if args.tiny and "mamba_num_heads" in fields:
+            fields.update(TINY_MAMBA2)
+        if args.layers and "layers_block_type" in fields:  # NemotronH: its layer count is its pattern's
+            fields["layers_block_type"] = fields["layers_block_type"][: args.layers]
+        elif args.layers:
             fields["num_hidden_layers"] = args.layers
         config = getattr(transformers, class_name)(**fields)
     config.use_cache = False

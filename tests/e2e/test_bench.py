@@ -64,18 +64,19 @@ def test_eager_baselines_needs_compile():
         bench_main(["model", "--tiny", "--device", "cpu", "--eager-baselines"])
 
 
-def test_bench_model_hybrid_cpu_smoke(tmp_path):
-    """`--arch qwen3_5`: ours on the patched copy, the stock baselines (packed, and the documents
-    unpacked and padded) on the unpatched model, ratios of ours over each baseline."""
+@pytest.mark.parametrize("arch,layers,patch", [("qwen3_5", "4", "gated_delta_packed"), ("nemotron_h", "8", "mamba2_packed")])
+def test_bench_model_hybrid_cpu_smoke(tmp_path, arch, layers, patch):
+    """`--arch qwen3_5` and `nemotron_h`: ours on the patched copy, the stock baselines (packed, and the
+    documents unpacked and padded) on the unpatched model, ratios of ours over each baseline."""
     methods = ["blockdiag_cp/dense", "hf_sdpa", "hf_padded"]
-    bench_main(["model", "--arch", "qwen3_5", "--tiny", "--device", "cpu", "--layers", "4", "--seq-lens", "256",
+    bench_main(["model", "--arch", arch, "--tiny", "--device", "cpu", "--layers", layers, "--seq-lens", "256",
                 "--methods", *methods, "--mean-doc-len", "64", "--dtype", "float32", "--block-steps", "2",
                 "--out", str(tmp_path)])
     result = json.loads((tmp_path / "model.json").read_text())
     rows = result["rows"]
     assert [(r["method"], r["seq_len"]) for r in rows] == [(m, 256) for m in methods]
     assert all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 and r["timed_steps"] == 1 for r in rows)
-    assert [r["patches"] for r in rows] == [["gated_delta_packed"], [], []]  # the baselines ran the stock model
+    assert [r["patches"] for r in rows] == [[patch], [], []]  # the baselines ran the stock model
     padded = rows[2]
     assert padded["padded_tokens"] >= 256 and padded["padded_batches"] >= 1
     assert [(r["ours"], r["baseline"]) for r in result["ratios"]] == [(methods[0], "hf_sdpa"), (methods[0], "hf_padded")]
