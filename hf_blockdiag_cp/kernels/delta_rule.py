@@ -84,37 +84,52 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
 
 
+def run_in_buckets(table: RunTable, inputs, run, out_like: torch.Tensor, out_dtype: torch.dtype, state_shape: tuple,
+                   initial_state=None, output_final_state: bool = False, touch=()):
+    """The torch kernels' batching (`plan_buckets`): `run(batch, state) -> (out [count, width, ...], final
+    [count, ...] | None)` on each bucket of `inputs` (each `[T, ...]`), the start states of its runs
+    taken from `initial_state [n, ...]`. -> (outputs back in row order, `[T, *out_like.shape[1:]]` of
+    `out_dtype`, zero on padding runs; final states `[n, *state_shape]` fp32, or None when not asked).
+    A table of padding only gives zero outputs that still depend on every input and on `touch`, so each
+    parameter gets a (zero) gradient on this rank too, as DDP and FSDP expect of every rank."""
+    plan = table.cached("torch_buckets", lambda: plan_buckets(table))
+    sizes = [w * n for w, n in zip(plan.widths, plan.counts)]
+    parts = [_with_zero_row(t).index_select(0, plan.gather).split(sizes) for t in inputs]
+    outs, finals = [], []
+    for b, (width, count) in enumerate(zip(plan.widths, plan.counts)):
+        batch = [p[b].reshape((count, width) + tuple(p[b].shape[1:])) for p in parts]
+        out, final = run(batch, None if initial_state is None else initial_state.index_select(0, plan.run_ids[b]))
+        outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
+        finals.append(final)
+    if outs:
+        flat = torch.cat(outs).to(out_dtype)
+    else:
+        zero = sum(t.float().sum() for t in (*inputs, *touch) if t is not None) * 0
+        flat = out_like.new_zeros((0,) + tuple(out_like.shape[1:]), dtype=out_dtype) + zero.to(out_dtype)
+    out = _with_zero_row(flat).index_select(0, plan.scatter)
+    if not output_final_state:
+        return out, None
+    final = out_like.new_zeros((table.runs.lengths.numel(),) + tuple(state_shape), dtype=torch.float32)
+    if finals:
+        final = final.index_put((torch.cat(plan.run_ids),), torch.cat(finals).float())
+    return out, final
+
+
 def torch_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_state=False, torch_rule=None):
-    """Transformers' torch rule over every document run of `table`, batched by `plan_buckets`."""
+    """Transformers' torch rule over every document run of `table`, batched by `run_in_buckets`."""
     if torch_rule is None:
         raise ValueError("the torch gated delta rule needs the model family's torch_chunk_gated_delta_rule (torch_rule=)")
     ratio = v.shape[1] // q.shape[1]
     if ratio > 1:  # each key head serves `ratio` consecutive value heads; older Transformers' rule expects them repeated
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    plan = table.cached("torch_buckets", lambda: plan_buckets(table))
-    sizes = [w * n for w, n in zip(plan.widths, plan.counts)]
-    inputs = [_with_zero_row(t).index_select(0, plan.gather).split(sizes) for t in (q, k, v, g, beta)]
-    outs, finals = [], []
-    for b, (width, count) in enumerate(zip(plan.widths, plan.counts)):
-        qb, kb, vb, gb, betab = (parts[b].reshape((count, width) + tuple(parts[b].shape[1:])) for parts in inputs)
-        state = None if initial_state is None else initial_state.index_select(0, plan.run_ids[b])
-        out, final = torch_rule(qb, kb, vb, g=gb, beta=betab, initial_state=state, output_final_state=output_final_state,
-                                use_qk_l2norm_in_kernel=True)
-        outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
-        finals.append(final)
-    if outs:
-        flat = torch.cat(outs)
-    else:  # only padding: zero outputs that still depend on every input, so each parameter gets a (zero)
-        # gradient on this rank too, as DDP and FSDP expect of every rank
-        flat = v.new_zeros((0,) + tuple(v.shape[1:])) + sum(t.sum() for t in (q, k, v, g, beta)).to(v.dtype) * 0
-    out = _with_zero_row(flat.to(v.dtype)).index_select(0, plan.scatter)
-    if not output_final_state:
-        return out, None
-    n, hv, dk, dv = table.runs.lengths.numel(), v.shape[1], q.shape[2], v.shape[2]
-    final = torch.zeros(n, hv, dk, dv, dtype=torch.float32, device=v.device)
-    if finals:
-        final = final.index_put((torch.cat(plan.run_ids),), torch.cat(finals).float())
-    return out, final
+
+    def run(batch, state):
+        qb, kb, vb, gb, betab = batch
+        return torch_rule(qb, kb, vb, g=gb, beta=betab, initial_state=state, output_final_state=output_final_state,
+                          use_qk_l2norm_in_kernel=True)
+
+    return run_in_buckets(table, (q, k, v, g, beta), run, v, v.dtype, (v.shape[1], q.shape[2], v.shape[2]),
+                          initial_state, output_final_state)
 
 
 def torch_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:

@@ -6,7 +6,7 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
 
 - `torch`: Transformers' own `mamba2_chunk_scan` of the model's family (passed in as
   `torch_scan`, so the stock model and ours compute alike), batched as the torch delta rule
-  batches its runs (`delta_rule.plan_buckets`: one gather in, one gather out, runs of similar
+  batches its runs (`delta_rule.run_in_buckets`: one gather in, one gather out, runs of similar
   length in one call, zero rows at each run's end), so the cost grows linearly with the runs.
 - `mamba_ssm`: mamba-ssm's Triton `mamba_chunk_scan_combined` with `seq_idx`, refused until it is
   verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
@@ -18,22 +18,12 @@ import importlib.util
 
 import torch
 
-from .delta_rule import plan_buckets
+from .delta_rule import run_in_buckets, torch_check
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where mamba-ssm's chunked scan was checked forward and backward against a float64 reference:
 # (compute capability major, dtype). Empty: not yet verified anywhere.
 MAMBA_SSM_VERIFIED: frozenset[tuple[int, torch.dtype]] = frozenset()
-
-
-def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
-
-
-def _touch_all(*inputs) -> torch.Tensor:
-    """An fp32 zero that depends on every input: a rank with only padding still gives each parameter a
-    (zero) gradient, as DDP and FSDP expect of every rank."""
-    return sum(t.float().sum() for t in inputs if t is not None) * 0
 
 
 def torch_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
@@ -43,34 +33,15 @@ def torch_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, outpu
     family's torch scan per run."""
     if torch_scan is None:
         raise ValueError("the torch SSD scan needs the model family's mamba2_chunk_scan (torch_scan=)")
-    plan = table.cached("torch_buckets", lambda: plan_buckets(table))
-    sizes = [w * n for w, n in zip(plan.widths, plan.counts)]
-    inputs = [_with_zero_row(t).index_select(0, plan.gather).split(sizes) for t in (x, dt, B, C)]
-    outs, finals = [], []
-    for b, (width, count) in enumerate(zip(plan.widths, plan.counts)):
-        xb, dtb, Bb, Cb = (parts[b].reshape((count, width) + tuple(parts[b].shape[1:])) for parts in inputs)
-        state = None if initial_state is None else initial_state.index_select(0, plan.run_ids[b])
+
+    def run(batch, state):
+        xb, dtb, Bb, Cb = batch
         result = torch_scan(xb, dtb, A, Bb, Cb, chunk_size=chunk_size, D=D, initial_states=state,
                             return_final_states=output_final_state)
-        out, final = result if output_final_state else (result, None)
-        outs.append(out.reshape((count * width,) + tuple(out.shape[2:])))
-        finals.append(final)
-    if outs:
-        flat = torch.cat(outs).float()
-    else:
-        flat = x.new_zeros((0,) + tuple(x.shape[1:]), dtype=torch.float32) + _touch_all(x, dt, A, B, C, D)
-    out = _with_zero_row(flat).index_select(0, plan.scatter)
-    if not output_final_state:
-        return out, None
-    n, heads, head_dim, state = table.runs.lengths.numel(), x.shape[1], x.shape[2], B.shape[2]
-    final = torch.zeros(n, heads, head_dim, state, dtype=torch.float32, device=x.device)
-    if finals:
-        final = final.index_put((torch.cat(plan.run_ids),), torch.cat(finals).float())
-    return out, final
+        return result if output_final_state else (result, None)
 
-
-def torch_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    return None
+    return run_in_buckets(table, (x, dt, B, C), run, x, torch.float32, (x.shape[1], x.shape[2], B.shape[2]),
+                          initial_state, output_final_state, touch=(A, D))
 
 
 TORCH = register_mixer_kernel(MixerKernelRecord("torch", "ssd_scan", torch_ssd_scan, torch_check, auto_priority=10))
