@@ -25,8 +25,6 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.mixers.ssd import SsdLayer, ssd_mix
 
-from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
-
 from .gated_delta import family_function
 from .packed_mixer import install, mixer_context, packed_rows
 from .registry import ModelPatch, register_patch
@@ -35,7 +33,6 @@ MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1",
 _ATTRIBUTES = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
                "ssm_state_size", "chunk_size", "time_step_limit", "intermediate_size", "conv_dim")
 _MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba2 mixer
-ATTENTION_FREE_TYPES = ("mamba2",)  # no attention layer: a CP step expects no attention call
 
 
 def has_mamba_layers(config) -> bool:
@@ -99,18 +96,8 @@ def packed_forward(self, hidden_states, *args, **kwargs):
     return self.out_proj(scan.to(dtype))
 
 
-def attention_free_forward(self, hidden_states, *args, **kwargs):
-    """`packed_forward` of a model without attention layers: tells the step that no attention call comes."""
-    step = kwargs.get(STEP_KWARG) or active_step()
-    if step is not None:
-        step.attention_free = True
-    return packed_forward(self, hidden_states, *args, **kwargs)
-
-
 def apply(model: torch.nn.Module) -> None:
-    attention_free = getattr(model.config, "model_type", None) in ATTENTION_FREE_TYPES
-    forward = attention_free_forward if attention_free else packed_forward
-    if install(model, is_ssd_mixer, forward, check=_torch_scan) == 0:
+    if install(model, is_ssd_mixer, packed_forward, check=_torch_scan) == 0:
         raise RuntimeError(
             f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)} found in {type(model).__name__}"
         )

@@ -1,7 +1,7 @@
 """What every recurrent token-mixer patch does around its mixer: when the packed path runs, which
 context it runs in, and how the patched forward is installed.
 
-A patched mixer layer (gated delta rule, KDA, short gated convolution) runs its stock forward
+A patched mixer layer (gated delta rule, KDA, short gated convolution, Mamba) runs its stock forward
 outside a CP step unless the caller passes `cu_seq_lens_q` (a packed row without CP), and always
 when a cache holds earlier state (generation). Otherwise it takes one packed row `[1, L, D]`,
 keyword arguments only, zeroes the rows a 2-D attention mask marks as padding as the stock
@@ -22,7 +22,8 @@ from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-# the class names of the patched mixer layers (the last five: Mamba2's in its six families)
+ATTENTION_FREE_ATTR = "_blockdiag_cp_attention_free"  # set on the mixers of a model without attention layers
+# the class names of the patched mixer layers (the last five: Mamba1's and Mamba2's in their families)
 _MIXER_CLASSES = ("GatedDeltaNet", "DeltaAttention", "ShortConv", "Mamba2Mixer", "BambaMixer", "FalconH1Mixer",
                   "MambaMixer", "MambaLayer")
 
@@ -40,6 +41,8 @@ def packed_rows(module, hidden_states: torch.Tensor, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("cache_params"))
     if step is None and kwargs.get("cu_seq_lens_q") is None:
         return None
+    if step is not None and getattr(module, ATTENTION_FREE_ATTR, False):
+        step.attention_free = True  # no attention call comes in this model's step
     if _has_previous_state(module, cache):
         if step is None:
             return None
@@ -70,13 +73,17 @@ def mixer_context(module, step, kwargs, rows: int) -> MixerContext:
 def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool], forward: Callable,
             check: Callable[[torch.nn.Module], object] | None = None) -> int:
     """Bind `forward` on every module of `model` that `is_layer` accepts (after `check(module)`, which
-    raises now rather than at the first step); returns how many."""
+    raises now rather than at the first step); returns how many. In a model whose layers are all
+    token mixers (Mamba, Mamba2) the mixers tell the step that no attention call comes."""
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    attention_free = bool(layer_types) and all(t == "linear_attention" for t in layer_types)
     patched = 0
     for module in model.modules():
         if is_layer(module):
             if check is not None:
                 check(module)
             module.forward = types.MethodType(forward, module)
+            setattr(module, ATTENTION_FREE_ATTR, attention_free)
             patched += 1
     return patched
 
@@ -84,13 +91,14 @@ def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool],
 @contextlib.contextmanager
 def stock_torch_kernels(model: torch.nn.Module):
     """Run the stock (unpatched) model's token-mixer layers (gated delta rule, KDA, short convolution,
-    Mamba2) on Transformers' own torch convolution, chunked rules and scans even where
+    Mamba1, Mamba2) on Transformers' own torch convolution, chunked rules and scans even where
     flash-linear-attention, causal-conv1d or mamba-ssm is installed (Transformers swaps those in at
     import): a stock baseline or reference then uses the same kernels as the patch's torch path.
     No-op for a model without such layers."""
     modules = {sys.modules[type(m).__module__] for m in model.modules() if type(m).__name__.endswith(_MIXER_CLASSES)}
     names = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn", "causal_conv1d_update",
-             "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined", "mamba2_selective_state_update")
+             "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined", "mamba2_selective_state_update",
+             "mamba_selective_scan", "mamba_inner_fn", "mamba_selective_state_update")
     saved = [(mod, name, getattr(mod, name)) for mod in modules for name in names if hasattr(mod, name)]
     for mod, name, fn in saved:
         setattr(mod, name, inspect.unwrap(fn))

@@ -4,20 +4,17 @@ These models mix tokens with state-space (Mamba) scans, linear attention, gated 
 or short causal convolutions, whole or in part. Those layers see only the local shard under
 CP and know nothing of packed document boundaries, so training would be silently wrong.
 `apply_model_patches` and the first attention call of a CP step raise for them (a type with a
-patch, such as the gated delta-rule, KDA and short-convolution hybrids in `gated_delta`, `kda` and
-`lfm2`, is not listed here). See `tests/multiprocess/test_recurrent.py` for
-how a model-owned recurrent layer can use `current_blockdiag_cp_state()` to become exact.
+patch, such as the gated delta-rule, KDA, short-convolution and Mamba hybrids in `gated_delta`,
+`kda`, `lfm2`, `mamba2` and `mamba1`, is not listed here). See
+`tests/multiprocess/test_recurrent.py` for how a model-owned recurrent layer can use
+`current_blockdiag_cp_state()` to become exact.
 """
 
 from __future__ import annotations
 
-_SSM = "state-space (Mamba) layers"
 _SSM_HYBRID = "a hybrid of attention and state-space (Mamba) layers"
 
 UNSUPPORTED_MODEL_TYPES: dict[str, str] = {
-    "mamba": _SSM,
-    "falcon_mamba": _SSM,
-    "jamba": _SSM_HYBRID,
     "zamba": _SSM_HYBRID,
     "minimax": "a hybrid of attention and lightning (linear) attention layers",
     "recurrent_gemma": "gated linear recurrence (RG-LRU) and causal convolution layers",

@@ -7,12 +7,12 @@ with a block mask built once per step), `varlen` (torch varlen, FlashAttention u
 one module that registers its record, plus its tests.
 
 Recurrent token mixers have their own records (`mixer_registry.MixerKernelRecord`): the gated
-delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla, and
-Mamba2's SSD scan (`ssd`) in torch (mamba-ssm refused until verified), and KDA (`kda`) in torch
-(fla's chunk_kda refused until verified).
+delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla,
+Mamba2's SSD scan (`ssd`) in torch (mamba-ssm refused until verified), Mamba1's selective scan
+(`selective_scan`) in torch, and KDA (`kda`) in torch (fla's chunk_kda refused until verified).
 """
 
-from . import delta_rule, dense, fa4, flash, flex, kda, short_conv, ssd, te, varlen  # noqa: F401  (each registers its record)
+from . import delta_rule, dense, fa4, flash, flex, kda, selective_scan, short_conv, ssd, te, varlen  # noqa: F401  (each registers its record)
 from .mixer_registry import (
     MIXER_OPS,
     MixerDims,

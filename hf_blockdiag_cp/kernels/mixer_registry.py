@@ -2,13 +2,13 @@
 
 The operations (`MIXER_OPS`) are what hybrid models' linear-attention layers run per document:
 `gated_delta_rule` (the chunked gated delta rule of Qwen3.5 / Qwen3-Next), `kda` (Kimi Linear's
-delta rule with a decay per key channel, same signature), `short_conv` (their
-depthwise causal convolution) and `ssd_scan` (Mamba2's chunked SSD scan). Every kernel of an
-operation runs over a `RunTable`: the runs it restarts at (documents, padding, or pieces of
-documents under state passing) on the device. A kernel module builds its `MixerKernelRecord`
-and registers it; `auto` takes, by `auto_priority`, the first whose `check` passes for the call:
-a fast kernel only where it was verified on a GPU (docs/models.md, "Kernels"), the torch kernel
-everywhere else.
+delta rule with a decay per key channel, same signature), `short_conv` (their depthwise causal
+convolution), `ssd_scan` (Mamba2's chunked SSD scan) and `selective_scan` (Mamba1's). Every kernel
+of an operation runs over a `RunTable`: the runs it restarts at (documents, padding, or pieces of
+documents under state passing) on the device. A kernel module builds its `MixerKernelRecord` and
+registers it; `auto` takes, by `auto_priority`, the first whose `check` passes for the call: a fast
+kernel only where it was verified on a GPU (docs/models.md, "Kernels"), the torch kernel everywhere
+else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from ..planning.mixer_plan import MixerRuns
 
-MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "kda")
+MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "selective_scan", "kda")
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,8 @@ class MixerKernelRecord:
     [n, Hv, Dk, Dv] | None)`, one state per run of `table`, outputs of padding runs zero; for
     `short_conv`, `fn(x [T, C], weight [C, W], bias, activation, table) -> [T, C]`, the window
     restarted at every run; for `ssd_scan`, `fn(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], D,
-    table, initial_state, output_final_state, torch_scan, chunk_size) -> (y, final [n, H, P, N] | None)`.
+    table, initial_state, output_final_state, torch_scan, chunk_size) -> (y, final [n, H, P, N] | None)`;
+    for `selective_scan`, the same without `chunk_size` over x, dt `[T, Dc]`, A `[Dc, N]`, B, C `[T, N]`.
     `check(device, dtype, dims)` says why it cannot run a call (None: it can): a fast kernel
     refuses wherever it was not verified. `auto_priority`: lower first; None: only when named.
     """

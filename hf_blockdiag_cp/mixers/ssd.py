@@ -48,7 +48,7 @@ class SsdLayer:
 
     def shape(self, bytes_per_element: int) -> MixerShape:
         return MixerShape(self.groups, self.state_size, self.heads, self.head_dim, self.conv_weight.shape[0],
-                          self.conv_weight.shape[-1], bytes_per_element, scalar_decay=True, head_parallel=False)
+                          self.conv_weight.shape[-1], bytes_per_element, decay="head", head_parallel=False)
 
 
 def time_steps(layer: SsdLayer, dt: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,11 @@ get that state's contribution added. For the delta rule P and the contribution c
 transition pass over the carried runs (values zero, the identity as initial state: its final state
 is P, its output the coefficients of the start state in each row's output). For Mamba2's SSD scan
 P is a scalar decay per head, exp(sum dt·A), and a row's contribution C_t·S_start decayed to t,
-computed directly. Every step is differentiable, so backward passes state gradients back the same
-way (reduce-scatter). Every rank issues the same two all-gathers per layer whatever its rows hold,
-and `comm.blocks.after` ties each layer's second gather to its first, so their backwards run in
-the same order on every rank (I5).
+computed directly; for Mamba1's selective scan P is a decay per channel and state entry, exp(A·sum
+dt), and the contribution likewise (`_decay_with_states`). Every step is differentiable, so
+backward passes state gradients back the same way (reduce-scatter). Every rank issues the same two
+all-gathers per layer whatever its rows hold, and `comm.blocks.after` ties each layer's second
+gather to its first, so their backwards run in the same order on every rank (I5).
 """
 
 from __future__ import annotations
@@ -150,6 +151,23 @@ def delta_rule_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v
     return _add_rows(out, states.carried_rows, torch.cat(corrections))
 
 
+def _decay_with_states(ctx: MixerContext, out, final, log_decay, contribution, order_after):
+    """State passing for a recurrence whose transition is a decay per state entry or per head:
+    `log_decay [R, *d]` over the carried rows (in `carried_rows` order), a run's transition exp(Σ
+    log_decay) broadcast against its state; `contribution(span, decay [r, *d], state) -> [r, ...]` the
+    start state's term in the rows `span` = (a, b) of the carried rows, decayed by `decay` to each."""
+    states = _states(ctx, out.device)
+    cumulative = [log_decay[a:b].cumsum(0) for a, b in states.carried_spans]
+    transition = (torch.stack([c[-1] for c in cumulative]).exp() if cumulative
+                  else log_decay.new_zeros((0,) + tuple(log_decay.shape[1:])))
+    compose = lambda p, s: p.reshape(tuple(p.shape) + (1,) * (s.ndim - p.ndim)) * s  # noqa: E731
+    starts, gathered = carried_start_states(ctx, final, transition, compose, order_after)
+    if starts is None:
+        return after(out, gathered)
+    added = [contribution(span, cum.exp(), state) for span, cum, state in zip(states.carried_spans, cumulative, starts)]
+    return _add_rows(out, states.carried_rows, torch.cat(added))
+
+
 def ssd_with_states(ctx: MixerContext, kernel: MixerKernelRecord, x, dt, A, B, C, D, torch_scan, chunk_size: int, order_after):
     """This rank's rows of Mamba2's SSD scan over documents spread across ranks -> `[L, H, P]`.
     x `[L, H, P]`, dt `[L, H]` (after bias, softplus, clamp), A, D `[H]`, B, C `[L, G, N]`. The transition
@@ -159,16 +177,31 @@ def ssd_with_states(ctx: MixerContext, kernel: MixerKernelRecord, x, dt, A, B, C
     local = ctx.table("local_runs", lambda: states.plan.runs, x.device)
     out, final = kernel.fn(x, dt, A, B, C, D, local, None, True, torch_scan, chunk_size)
     rows, heads = states.carried_rows, x.shape[1]
-    log_decay = dt.index_select(0, rows).float() * A.float()  # [R, H], as the torch scan forms dt·A
-    cumulative = [log_decay[a:b].cumsum(0) for a, b in states.carried_spans]
-    transition = torch.stack([c[-1] for c in cumulative]).exp() if cumulative else final.new_zeros(0, heads)
-    starts, gathered = carried_start_states(ctx, final, transition, lambda p, s: p[:, None, None] * s, order_after)
-    if starts is None:
-        return after(out, gathered)
     c_rows = C.index_select(0, rows).float().repeat_interleave(heads // C.shape[1], dim=1)  # [R, H, N]
-    corrections = [torch.einsum("thn,hpn->thp", c_rows[a:b], state) * cum.exp()[..., None]
-                   for (a, b), cum, state in zip(states.carried_spans, cumulative, starts)]
-    return _add_rows(out, rows, torch.cat(corrections))
+
+    def contribution(span, decay, state):
+        return torch.einsum("thn,hpn->thp", c_rows[span[0] : span[1]], state) * decay[..., None]
+
+    log_decay = dt.index_select(0, rows).float() * A.float()  # [R, H], as the torch scan forms dt·A
+    return _decay_with_states(ctx, out, final, log_decay, contribution, order_after)
+
+
+def selective_scan_with_states(ctx: MixerContext, kernel: MixerKernelRecord, x, dt, A, B, C, D, torch_scan, order_after):
+    """This rank's rows of Mamba1's selective scan over documents spread across ranks -> `[L, Dc]`.
+    x, dt `[L, Dc]` (dt after bias and softplus), A `[Dc, N]`, B, C `[L, N]`, D `[Dc]`. The transition of
+    a run is exp(A·sum dt) per channel and state entry; a start state S adds Σ_n C_t[n]·S[:, n] decayed
+    from the run's start to row t."""
+    states = _states(ctx, x.device)
+    local = ctx.table("local_runs", lambda: states.plan.runs, x.device)
+    out, final = kernel.fn(x, dt, A, B, C, D, local, None, True, torch_scan)
+    rows = states.carried_rows
+    c_rows = C.index_select(0, rows).float()  # [R, N]
+
+    def contribution(span, decay, state):
+        return torch.einsum("tn,tdn->td", c_rows[span[0] : span[1]], decay * state)
+
+    log_decay = dt.index_select(0, rows).float()[:, :, None] * A.float()  # [R, Dc, N], as the torch scan
+    return _decay_with_states(ctx, out, final, log_decay, contribution, order_after)
 
 
 def _add_rows(out, rows, added):

@@ -31,6 +31,7 @@ import torch
 from .layout import Layout
 
 MIXER_TRANSPORTS = ("heads", "states")
+MIXER_DECAYS = ("matrix", "head", "entry")  # MixerShape.decay
 
 
 @dataclass(frozen=True)
@@ -237,10 +238,11 @@ def plan_conv_halo(layout: Layout, rank: int, width: int) -> ConvHaloPlan:
 @dataclass(frozen=True)
 class MixerShape:
     """One mixer layer's sizes: key heads and dim, value heads and dim, convolution channels and
-    kernel size (0: none), the bytes of an activation element (2 in bf16). `scalar_decay`: a run's
-    transition is one decay per value head (Mamba2's SSD: key heads and dim are B and C's groups and
-    state size) instead of a [Dk, Dk] matrix (the delta rule); `head_parallel`: whether the mixer has
-    the head-parallel transport."""
+    kernel size (0: none), the bytes of an activation element (2 in bf16). `decay`: what a run's
+    transition is per value head: a [Dk, Dk] matrix (`"matrix"`, the delta rule), one number
+    (`"head"`, Mamba2's SSD: key heads and dim are B and C's groups and state size) or one number per
+    state entry (`"entry"`, Mamba1: one head of Dv channels, Dk state entries each);
+    `head_parallel`: whether the mixer has the head-parallel transport."""
 
     key_heads: int
     key_dim: int
@@ -249,8 +251,12 @@ class MixerShape:
     conv_channels: int = 0
     conv_kernel: int = 0
     bytes_per_element: int = 2
-    scalar_decay: bool = False
+    decay: str = "matrix"
     head_parallel: bool = True
+
+    def __post_init__(self):
+        if self.decay not in MIXER_DECAYS:
+            raise ValueError(f"MixerShape: decay must be one of {', '.join(MIXER_DECAYS)}; got {self.decay!r}")
 
     @property
     def input_channels(self) -> int:
@@ -259,11 +265,10 @@ class MixerShape:
 
     @property
     def state_elements(self) -> int:
-        """One transition and one final state per value head, fp32: [Hv, Dk, Dk + Dv], or [Hv, 1 + Dk·Dv]
-        with a scalar decay."""
-        if self.scalar_decay:
-            return self.value_heads * (1 + self.key_dim * self.value_dim)
-        return self.value_heads * self.key_dim * (self.key_dim + self.value_dim)
+        """One transition and one final state per value head, fp32: [Hv, Dk, Dk + Dv] (`decay` "matrix"),
+        [Hv, 1 + Dk·Dv] ("head") or [Hv, 2·Dk·Dv] ("entry")."""
+        transition = {"matrix": self.key_dim * self.key_dim, "head": 1, "entry": self.key_dim * self.value_dim}
+        return self.value_heads * (transition[self.decay] + self.key_dim * self.value_dim)
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,8 @@ def tiny_hybrid_config(family: str, **overrides):
 
     if family in MAMBA2_FAMILIES:
         return tiny_mamba2_config(family, **overrides)
+    if family in MAMBA1_FAMILIES:
+        return tiny_mamba1_config(family, **overrides)
     b = dict(
         _BASE, num_hidden_layers=4, layer_types=HYBRID_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=4,
         linear_value_head_dim=6, linear_num_key_heads=HYBRID_KEY_HEADS, linear_num_value_heads=2 * HYBRID_KEY_HEADS,
@@ -298,3 +300,33 @@ def tiny_mamba2_config(family: str, sizes: dict | None = None, **overrides):
     else:
         raise ValueError(family)
     return getattr(transformers, name)(**dict(kwargs, **overrides))
+
+
+# --------------------------------------------------------------------------- Mamba1 (selective scan) models
+
+MAMBA1_FAMILIES = ("jamba", "falcon_mamba", "mamba")
+
+
+def tiny_mamba1_config(family: str, **overrides):
+    """Mamba1 layers of 64 channels (expand 2), state 8, kernel 4, time-step rank 4; Jamba with
+    attention and a sparse MoE in every other layer; `overrides` go to the config's constructor."""
+    import transformers
+
+    mamba = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+                 time_step_rank=4, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                 initializer_range=_BASE["initializer_range"])
+    if family == "mamba":
+        name, kwargs = "MambaConfig", mamba
+    elif family == "falcon_mamba":
+        name, kwargs = "FalconMambaConfig", mamba
+    elif family == "jamba":
+        b = dict(_BASE, num_hidden_layers=4)
+        b.pop("head_dim")
+        name, kwargs = "JambaConfig", dict(
+            b, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+            num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+        )
+    else:
+        raise ValueError(family)
+    return getattr(transformers, name)(**dict(kwargs, **overrides))
+

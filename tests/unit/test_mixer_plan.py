@@ -188,3 +188,17 @@ def test_auto_takes_states_for_short_documents_and_heads_for_one_long_document()
     assert choose_mixer_transport("auto", long, shape) == "heads"
     seconds = transport_seconds(long, shape)
     assert seconds["heads"] < seconds["states"]
+
+
+@pytest.mark.parametrize("decay", ["head", "entry"])
+def test_mamba_mixers_go_by_state_passing_even_for_one_long_document(decay):
+    """Mamba2 (one decay per head) and Mamba1 (one per state entry) have no head-parallel transport: `auto`
+    passes states where the delta rule's shape goes head-parallel, and `heads` raises naming why."""
+    shape = MixerShape(8, 128, 16, 128, 4096, 4, decay=decay, head_parallel=False)
+    long = _layout([65536], 0, 2, "contiguous")
+    assert choose_mixer_transport("auto", long, shape) == "states"
+    assert set(transport_seconds(long, shape)) == {"states"}
+    with pytest.raises(ValueError, match="no head-parallel transport"):
+        choose_mixer_transport("heads", long, shape)
+    with pytest.raises(ValueError, match="decay must be one of"):
+        MixerShape(8, 128, 16, 128, decay="scalar")

@@ -4,7 +4,7 @@ Every entry of `UNSUPPORTED_MODEL_TYPES` is built from its stock config (on the 
 no weights, no downloads) and `apply_model_patches` must refuse it by name. Hybrids that do
 call the attention interface for some layers are also refused by the runtime itself at the
 first attention call of a CP step, when nobody called `apply_model_patches`; a pure SSM
-never calls attention, which the step's own check reports.
+without its patch never calls attention, which the step's own check reports.
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ _SMALL = dict(
 )
 # Tiny real hybrids (attention + SSM / linear attention / convolution) that run on CPU.
 _HYBRIDS = {
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-                  num_experts=2, mamba_d_state=4, mamba_dt_rank=4),
+    "recurrent_gemma": dict(head_dim=8, lru_width=32, block_types=["recurrent", "attention"]),
 }
 
 
@@ -74,7 +73,7 @@ def test_hybrid_refused_at_first_attention_call(model_type):
             model(**local).loss.backward()
 
 
-def test_pure_ssm_reports_no_attention_call():
+def test_pure_ssm_without_its_patch_reports_no_attention_call():
     config = AutoConfig.for_model("mamba", **{k: _SMALL[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")},
                                   state_size=4, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config)

@@ -1,8 +1,9 @@
-"""The Mamba2 (SSD) patch and kernels on one process (model_patches/mamba2.py, mixers/ssd.py,
-kernels/ssd.py; docs/models.md).
+"""The Mamba2 (SSD) and Mamba1 (selective-scan) patches and kernels on one process
+(model_patches/mamba2.py, mamba1.py; mixers/ssd.py, selective_scan.py; kernels/ssd.py,
+selective_scan.py; docs/models.md).
 
-- The torch SSD kernel equals a float64 step-by-step recurrence per run, from zero or given
-  start states, and returns each run's final state.
+- The torch SSD and selective-scan kernels equal a float64 step-by-step recurrence per run (the
+  SSD scan from zero or given start states) and return each run's final state.
 - A patched mixer layer of every family on a 3-document pack equals the stock layer on each
   document alone (outputs and parameter gradients), and the reference discriminates: the stock
   layer on the pack, a convolution that crosses a boundary, and a state that crosses it all differ.
@@ -21,20 +22,21 @@ from transformers import AutoModelForCausalLM
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import RunTable, choose_mixer_kernel
 from hf_blockdiag_cp.kernels.mixer_registry import MixerDims
+from hf_blockdiag_cp.kernels.selective_scan import torch_selective_scan
 from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
 from hf_blockdiag_cp.kernels.ssd import torch_ssd_scan
-from hf_blockdiag_cp.mixers import MixerContext
-from hf_blockdiag_cp.mixers.ssd import ssd_mix, time_steps
-from hf_blockdiag_cp.model_patches import mamba2
+from hf_blockdiag_cp.mixers import MixerContext, selective_scan, ssd
+from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
-from helpers.model_zoo import MAMBA2_FAMILIES, build_hybrid_pair, tiny_mamba2_config
+from helpers.model_zoo import MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, tiny_hybrid_config
 from helpers.reference import rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row chunks of the scan
 
 
-def _recurrence(x, dt, A, B, C, D, runs: MixerRuns, start=None):
-    """float64 S_t = exp(dt_t·A)·S_{t-1} + dt_t·x_t ⊗ B_t, y_t = S_t·C_t + D·x_t, restarted per run."""
+def _recurrence(x, dt, A, B, C, D, runs: MixerRuns, start=None, per_entry=False):
+    """float64 S_t = exp(dt_t·A)·S_{t-1} + dt_t·x_t ⊗ B_t, y_t = S_t·C_t + D·x_t per head, restarted per run:
+    x `[T, H, P]`, dt `[T, H]`, B, C `[T, G, N]`; A `[H]` (Mamba2) or, `per_entry`, `[H, N]` (Mamba1, P = 1)."""
     x, dt, A, B, C, D = (t.double() for t in (x, dt, A, B, C, D))
     heads, groups = x.shape[1], B.shape[1]
     B, C = B.repeat_interleave(heads // groups, 1), C.repeat_interleave(heads // groups, 1)
@@ -43,7 +45,8 @@ def _recurrence(x, dt, A, B, C, D, runs: MixerRuns, start=None):
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         state = torch.zeros(heads, x.shape[2], B.shape[2], dtype=torch.float64) if start is None else start[i].double()
         for t in range(a, b):
-            state = torch.exp(dt[t] * A)[:, None, None] * state + dt[t][:, None, None] * x[t][:, :, None] * B[t][:, None, :]
+            decay = torch.exp(dt[t][:, None] * A)[:, None, :] if per_entry else torch.exp(dt[t] * A)[:, None, None]
+            state = decay * state + dt[t][:, None, None] * x[t][:, :, None] * B[t][:, None, :]
             out[t] = torch.einsum("hpn,hn->hp", state, C[t]) + D[:, None] * x[t]
         finals.append(state)
     return out, torch.stack(finals)
@@ -68,16 +71,37 @@ def test_torch_kernel_equals_the_recurrence_per_run():
         assert rel_err(final[:3], ref_final[:3]) <= 1e-5
 
 
+def test_torch_selective_scan_equals_the_recurrence_per_run():
+    g = torch.Generator().manual_seed(1)
+    rows, channels, state = 75, 6, 5
+    x, B, C = torch.randn(rows, channels, generator=g), torch.randn(rows, state, generator=g), torch.randn(rows, state, generator=g)
+    dt, A, D = torch.rand(rows, channels, generator=g) * 0.5, -torch.rand(channels, state, generator=g) - 0.1, torch.randn(channels, generator=g)
+    runs = MixerRuns(torch.tensor([0, 37, 38, 70, 75]), torch.tensor([True, True, True, False]))
+    scan = mamba1.family_function(_stock_mixer("mamba"), "mamba_selective_scan")
+    out, final = torch_selective_scan(x, dt, A, B, C, D, RunTable.build(runs, "cpu"), None, True, scan)
+    # the float64 recurrence, with one head per channel: x [T, Dc, 1], B, C shared by every channel
+    ref_out, ref_final = _recurrence(x[:, :, None], dt, A, B[:, None].expand(-1, channels, -1), C[:, None].expand(-1, channels, -1),
+                                     D, runs, per_entry=True)
+    docs = runs.row_is_document
+    assert rel_err(out[docs], ref_out[docs, :, 0]) <= 1e-5
+    assert torch.equal(out[~docs], torch.zeros_like(out[~docs]))
+    assert rel_err(final[:3], ref_final[:3, :, 0]) <= 1e-5
+
+
 def _stock_mixer(family: str = "nemotron_h"):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_mamba2_config(family), attn_implementation="eager")
-    return [m for m in model.modules() if mamba2.is_ssd_mixer(m)][0]
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config(family), attn_implementation="eager")
+    return [m for m in model.modules() if _is_mixer(m)][0]
+
+
+def _is_mixer(module) -> bool:
+    return mamba2.is_ssd_mixer(module) or mamba1.is_selective_scan_mixer(module)
 
 
 def _layers(family):
     ref, model = build_hybrid_pair(family)
-    stock = [m for m in ref.modules() if mamba2.is_ssd_mixer(m)][0]
-    patched = [m for m in model.modules() if mamba2.is_ssd_mixer(m)][0]
+    stock = [m for m in ref.modules() if _is_mixer(m)][0]
+    patched = [m for m in model.modules() if _is_mixer(m)][0]
     return stock, patched
 
 
@@ -86,7 +110,7 @@ def _inputs(hidden_size):
     return torch.randn(1, sum(LENGTHS), hidden_size, generator=g), torch.randn(1, sum(LENGTHS), hidden_size, generator=g)
 
 
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES + MAMBA1_FAMILIES)
 def test_packed_layer_equals_each_document_alone(family):
     stock, patched = _layers(family)
     x, probe = _inputs(stock.hidden_size)
@@ -110,18 +134,31 @@ def test_packed_layer_equals_each_document_alone(family):
 
 def _scan_out(layer, x, conv_runs: MixerRuns, scan_runs: MixerRuns):
     """The layer's scan output with its convolution restarted at `conv_runs` and its scan at `scan_runs`
-    (the torch kernels called directly)."""
+    (the torch kernels called directly), and the output of the mixer the patch runs (runs: `conv_runs`)."""
+    conv_table, scan_table = RunTable.build(conv_runs, "cpu"), RunTable.build(scan_runs, "cpu")
+    if mamba1.is_selective_scan_mixer(layer):
+        spec = mamba1.mixer_layer(layer)
+        xs, _ = layer.in_proj(x)[0].chunk(2, dim=-1)
+        mixer = selective_scan.selective_scan_mix(spec, xs, lambda xc: mamba1._time_step_b_c(layer, xc),
+                                                  MixerContext.from_runs(conv_runs))
+        xs = torch_short_conv(xs, spec.conv_weight, spec.conv_bias, spec.activation, conv_table)
+        dt, B, C = mamba1._time_step_b_c(layer, xs)
+        out = torch_selective_scan(xs, selective_scan.time_steps(spec, dt), -spec.A_log.float().exp(), B, C,
+                                   spec.D.float(), scan_table, torch_scan=spec.torch_scan)[0]
+        return out, mixer
     _, xbc, dt = mamba2._project(layer, x[0])
     spec = mamba2.mixer_layer(layer)
-    xbc = torch_short_conv(xbc, spec.conv_weight, spec.conv_bias, spec.activation, RunTable.build(conv_runs, "cpu"))
+    mixer = ssd.ssd_mix(spec, xbc, dt, MixerContext.from_runs(conv_runs))
+    xbc = torch_short_conv(xbc, spec.conv_weight, spec.conv_bias, spec.activation, conv_table)
     rows, width = xbc.shape[0], spec.groups * spec.state_size
     xs, B, C = xbc.split([spec.heads * spec.head_dim, width, width], dim=-1)
     xs, B, C = xs.reshape(rows, spec.heads, -1), B.reshape(rows, spec.groups, -1), C.reshape(rows, spec.groups, -1)
-    return torch_ssd_scan(xs, time_steps(spec, dt), -spec.A_log.float().exp(), B, C, spec.D, RunTable.build(scan_runs, "cpu"),
-                          torch_scan=spec.torch_scan, chunk_size=spec.chunk_size)[0]
+    out = torch_ssd_scan(xs, ssd.time_steps(spec, dt), -spec.A_log.float().exp(), B, C, spec.D, scan_table,
+                         torch_scan=spec.torch_scan, chunk_size=spec.chunk_size)[0]
+    return out, mixer
 
 
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES + MAMBA1_FAMILIES)
 def test_reference_catches_a_crossing_convolution_or_state(family):
     """Letting only the convolution, or only the scan state, cross the boundary changes the second
     document: each mechanism on its own is seen by the per-document reference."""
@@ -131,11 +168,9 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
     split = MixerRuns.documents(torch.tensor([0, first, length]), length)
     whole = MixerRuns.documents(torch.tensor([0, length]), length)
     with torch.no_grad():
-        exact = _scan_out(layer, x, split, split)
-        conv_crosses = _scan_out(layer, x, whole, split)
-        state_crosses = _scan_out(layer, x, split, whole)
-        _, xbc, dt = mamba2._project(layer, x[0])
-        mixer = ssd_mix(mamba2.mixer_layer(layer), xbc, dt, MixerContext.from_runs(split))
+        exact, mixer = _scan_out(layer, x, split, split)
+        conv_crosses, _ = _scan_out(layer, x, whole, split)
+        state_crosses, _ = _scan_out(layer, x, split, whole)
     assert rel_err(mixer, exact) <= 1e-6  # the mixer the patch runs is this composition
     second = slice(first, length)
     assert rel_err(conv_crosses[second], exact[second]) > 1e-3
@@ -143,7 +178,7 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
     assert torch.equal(conv_crosses[:first], exact[:first])
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
+@pytest.mark.parametrize("family", ["nemotron_h", "mamba2", "jamba", "mamba"])
 def test_outside_a_step_the_model_is_stock(family):
     ref, model = build_hybrid_pair(family)
     model.set_attn_implementation("eager")
@@ -160,18 +195,19 @@ def _step_batch():
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
-def test_the_step_logs_what_the_token_mixers_ran(family):
+@pytest.mark.parametrize("family,scan", [("nemotron_h", "ssd_scan"), ("mamba2", "ssd_scan"), ("jamba", "selective_scan"),
+                                         ("mamba", "selective_scan")])
+def test_the_step_logs_what_the_token_mixers_ran(family, scan):
     _, model = build_hybrid_pair(family)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch(), config=bdcp.CPConfig(mixer_backend="torch"))
     with train_ctx() as step:
         model(**local).loss.backward()
-    assert step.choices.mixers == "short_conv=torch ssd_scan=torch transport=local"
+    assert step.choices.mixers == " ".join(sorted([f"{scan}=torch", "short_conv=torch"])) + " transport=local"
 
 
 def test_hybrid_without_the_patch_cannot_run_a_step():
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_mamba2_config("nemotron_h"), attn_implementation=bdcp.ATTN_IMPLEMENTATION)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config("nemotron_h"), attn_implementation=bdcp.ATTN_IMPLEMENTATION)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch())
     with pytest.raises(RuntimeError, match=r"mamba2_packed.*apply_model_patches\(model\)"):
         with train_ctx():

@@ -1,10 +1,11 @@
-"""Mamba2 (SSD) models train exactly under CP (I1, I2, I5): NemotronH, GraniteMoeHybrid, Bamba,
-FalconH1, Zamba2 and Mamba2 itself.
+"""Mamba models train exactly under CP (I1, I2, I5): the Mamba2 (SSD) ones (NemotronH,
+GraniteMoeHybrid, Bamba, FalconH1, Zamba2, Mamba2) and the Mamba1 (selective-scan) ones (Jamba,
+FalconMamba, Mamba).
 
 Gloo parity: loss and every gradient at G = 1-4, against the stock model with `eager` attention
-run on each document separately. The Mamba2 mixer crosses ranks by state passing (it has no
+run on each document separately. Both mixers cross ranks by state passing (they have no
 head-parallel transport). The pack holds 1-token documents and a document over three ranks (two
-at G = 2) that crosses many 16-row chunks of the scan; contiguous and balanced layouts, with and
+at G = 2) that crosses many 16-row chunks of the Mamba2 scan; contiguous and balanced layouts, with and
 without activation checkpointing; plus a pack whose last rank holds only padding. Also: asking
 for `heads` raises on every rank (no hang), and a few optimizer steps of NemotronH at cp = 2 give
 the losses of cp = 1.
@@ -20,7 +21,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import PAIR_COUNT
-from helpers.model_zoo import MAMBA2_FAMILIES, build_hybrid_pair
+from helpers.model_zoo import MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair
 from helpers.packs import long_pack, make_pack
 from helpers.reference import compare_with_reference, reference_loss_and_grads
 
@@ -40,7 +41,7 @@ def _run(model, batch, group, strategy, checkpointing, config=CONFIG):
     return model, loss
 
 
-def mamba2_parity_case(rank, world_size, group, family):
+def mamba_parity_case(rank, world_size, group, family):
     """Worst relative error of every variant; parameters the reference trains but this rank left without a gradient."""
     ref, model = build_hybrid_pair(family)
     results = {}
@@ -58,9 +59,9 @@ def mamba2_parity_case(rank, world_size, group, family):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_mamba2_matches_per_document_reference(gloo, family, world_size):
-    for rank, results in enumerate(gloo(world_size).run(mamba2_parity_case, family=family)):
+@pytest.mark.parametrize("family", MAMBA2_FAMILIES + MAMBA1_FAMILIES)
+def test_mamba_matches_per_document_reference(gloo, family, world_size):
+    for rank, results in enumerate(gloo(world_size).run(mamba_parity_case, family=family)):
         for variant, (err, name, loss_err) in results.items():
             assert loss_err <= TOL, f"{family} G={world_size} rank {rank} {variant}: loss relative error {loss_err:.2e}"
             assert err <= TOL, f"{family} G={world_size} rank {rank} {variant}: {name} relative error {err:.2e}"

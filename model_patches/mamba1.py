@@ -1,0 +1,104 @@
+"""Mamba, FalconMamba and Jamba: exact packed Mamba1 (selective-scan) layers, at cp = 1 and under CP.
+
+Why: these models mix tokens with Mamba1 layers that do not go through the attention interface
+(Mamba and FalconMamba have no attention at all). On a packed row Transformers runs their causal
+convolution and selective scan across document boundaries, and under CP each rank would see only
+its shard. The patch replaces each Mamba1 mixer instance's `forward` (its parameters unchanged)
+with one that projects as the stock forward does, runs the token mixer of
+`hf_blockdiag_cp.mixers.selective_scan` (convolution and scan restarted at every document; the
+layer's x_proj, its dt / B / C norms (Jamba, FalconMamba) and dt_proj between them; under CP by
+state passing), then the SiLU gate and the output projection. Outputs, loss and gradients equal
+the stock model run on each document alone.
+
+When the packed path runs is `packed_mixer`'s rule: outside a CP step the layer is stock unless the
+caller passes `cu_seq_lens_q`; a cache holding earlier state (generation) always runs the stock
+forward; a fresh cache is left unwritten by the packed path.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_blockdiag_cp.mixers.selective_scan import SelectiveScanLayer, selective_scan_mix
+from .gated_delta import family_function
+from .mamba2 import has_mamba_layers
+from .packed_mixer import install, mixer_context, packed_rows
+from .registry import ModelPatch, register_patch
+
+MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
+_ATTRIBUTES = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "intermediate_size",
+               "ssm_state_size", "time_step_rank")
+
+
+def is_selective_scan_mixer(module: torch.nn.Module) -> bool:
+    """A Mamba1 mixer of a family with Transformers' torch `mamba_selective_scan`."""
+    return (all(hasattr(module, a) for a in _ATTRIBUTES)
+            and hasattr(sys.modules[type(module).__module__], "mamba_selective_scan"))
+
+
+def _torch_scan(module):
+    return family_function(module, "mamba_selective_scan")
+
+
+def mixer_layer(module) -> SelectiveScanLayer:
+    """What the token mixer reads of a Mamba1 mixer module (its parameters, not copies)."""
+    return SelectiveScanLayer(
+        name=f"{type(module).__name__} (layer {module.layer_idx})", channels=module.intermediate_size,
+        state_size=module.ssm_state_size, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias,
+        activation=module.activation, A_log=module.A_log, D=module.D, dt_bias=module.dt_proj.bias,
+        torch_scan=_torch_scan(module),
+    )
+
+
+def _time_step_b_c(module, xc: torch.Tensor):
+    """Convolved rows `[L, Dc]` -> raw dt `[L, Dc]`, B, C `[L, N]`, exactly as the stock forward builds them."""
+    rank, state = module.time_step_rank, module.ssm_state_size
+    time_step, B, C = torch.split(module.x_proj(xc[None]), [rank, state, state], dim=-1)
+    if hasattr(module, "dt_layernorm"):  # Jamba, FalconMamba
+        time_step, B, C = module.dt_layernorm(time_step), module.b_layernorm(B), module.c_layernorm(C)
+    if hasattr(getattr(module, "config", None), "_is_quantized"):
+        dt = module.dt_proj(time_step) - module.dt_proj.bias
+    else:
+        dt = (module.dt_proj.weight @ time_step.transpose(1, 2)).transpose(1, 2)
+    return dt[0], B[0], C[0]
+
+
+@torch.compiler.disable
+def _mix_documents(module, step, kwargs, rows: int, x) -> torch.Tensor:
+    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
+    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
+    project = lambda xc: _time_step_b_c(module, xc)  # noqa: E731
+    return selective_scan_mix(mixer_layer(module), x, project, mixer_context(module, step, kwargs, rows))
+
+
+def packed_forward(self, hidden_states, *args, **kwargs):
+    """Mamba1 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
+    entry = packed_rows(self, hidden_states, args, kwargs)
+    if entry is None:
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    step, x = entry
+    rows, dtype = x.shape[0], hidden_states.dtype
+    x, gate = self.in_proj(x[None])[0].chunk(2, dim=-1)
+    scan = _mix_documents(self, step, kwargs, rows, x) * F.silu(gate)
+    return self.out_proj(scan[None].to(dtype))
+
+
+def apply(model: torch.nn.Module) -> None:
+    if install(model, is_selective_scan_mixer, packed_forward, check=_torch_scan) == 0:
+        raise RuntimeError(
+            f"model_patches.mamba1: no Mamba1 mixer with {', '.join(_ATTRIBUTES)} found in {type(model).__name__}"
+        )
+
+
+PATCH = register_patch(
+    ModelPatch(
+        name="mamba1_packed",
+        model_types=MODEL_TYPES,
+        needed=has_mamba_layers,
+        apply=apply,
+        why="Mamba1 layers (convolution and selective scan) must restart at every document and see the whole pack",
+    )
+)
