@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..kernels.mixer_registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
-from .state_passing import conv_with_halo, selective_scan_with_states
+from .state_passing import conv_rows, selective_scan_with_states
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,11 @@ def time_steps(layer: SelectiveScanLayer, dt: torch.Tensor) -> torch.Tensor:
 def selective_scan_mix(layer: SelectiveScanLayer, x: torch.Tensor, project: Callable, ctx: MixerContext) -> torch.Tensor:
     """The layer's scan output `[L, Dc]` (fp32) from this rank's pre-convolution `x [L, Dc]`; `project(xc)`
     maps the convolved rows to raw `dt [L, Dc]`, `B`, `C [L, N]` as the stock forward does."""
-    try:
-        states = ctx.transport_for(layer.shape(x.element_size())) == "states"
-    except ValueError as exc:
-        raise ValueError(f"blockdiag_cp: {layer.name}: {exc}") from None
-    conv = ctx.kernel("short_conv", x, MixerDims())
-    if states:
-        x, gathered = conv_with_halo(ctx, conv, x, layer.conv_weight, layer.conv_bias, layer.activation)
-    else:
-        x = conv.fn(x, layer.conv_weight, layer.conv_bias, layer.activation, ctx.table("pack", lambda: ctx.runs, x.device))
+    x, gathered = conv_rows(ctx, layer.name, layer.shape(x.element_size()), x, layer.conv_weight, layer.conv_bias,
+                            layer.activation)
     dt, B, C = project(x)
     dt, A, D = time_steps(layer, dt), -layer.A_log.float().exp(), layer.D.float()
     scan = ctx.kernel("selective_scan", x, MixerDims(layer.state_size, layer.channels))
-    if states:
+    if gathered is not None:
         return selective_scan_with_states(ctx, scan, x, dt, A, B, C, D, layer.torch_scan, gathered)
     return scan.fn(x, dt, A, B, C, D, ctx.table("pack", lambda: ctx.runs, x.device), None, False, layer.torch_scan)[0]

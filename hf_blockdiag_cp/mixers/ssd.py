@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from ..kernels.mixer_registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
-from .state_passing import conv_with_halo, ssd_with_states
+from .state_passing import conv_rows, ssd_with_states
 
 
 @dataclass(frozen=True)
@@ -66,20 +66,12 @@ def _split(layer: SsdLayer, xbc: torch.Tensor):
 
 def ssd_mix(layer: SsdLayer, xbc: torch.Tensor, dt: torch.Tensor, ctx: MixerContext) -> torch.Tensor:
     """The layer's scan output `[L, H, P]` from this rank's `xbc [L, H·P + 2·G·N]` and raw `dt [L, H]`."""
-    try:
-        states = ctx.transport_for(layer.shape(xbc.element_size())) == "states"
-    except ValueError as exc:
-        raise ValueError(f"blockdiag_cp: {layer.name}: {exc}") from None
-    conv = ctx.kernel("short_conv", xbc, MixerDims())
-    if states:
-        xbc, gathered = conv_with_halo(ctx, conv, xbc, layer.conv_weight, layer.conv_bias, layer.activation)
-    else:
-        table = ctx.table("pack", lambda: ctx.runs, xbc.device)
-        xbc = conv.fn(xbc, layer.conv_weight, layer.conv_bias, layer.activation, table)
+    xbc, gathered = conv_rows(ctx, layer.name, layer.shape(xbc.element_size()), xbc, layer.conv_weight,
+                              layer.conv_bias, layer.activation)
     x, B, C = _split(layer, xbc)
     dt, A = time_steps(layer, dt), -layer.A_log.float().exp()
     scan = ctx.kernel("ssd_scan", x, MixerDims(layer.state_size, layer.head_dim))
-    if states:
+    if gathered is not None:
         return ssd_with_states(ctx, scan, x, dt, A, B, C, layer.D, layer.torch_scan, layer.chunk_size, gathered)
     table = ctx.table("pack", lambda: ctx.runs, x.device)
     return scan.fn(x, dt, A, B, C, layer.D, table, None, False, layer.torch_scan, layer.chunk_size)[0]

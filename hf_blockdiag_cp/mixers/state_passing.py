@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.blocks import after, all_gather_blocks
-from ..kernels.mixer_registry import MixerKernelRecord, RunTable
-from ..planning.mixer_plan import ConvHaloPlan, MixerRuns, StatePassingPlan, plan_conv_halo, plan_state_passing
+from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable
+from ..planning.mixer_plan import ConvHaloPlan, MixerRuns, MixerShape, StatePassingPlan, plan_conv_halo, plan_state_passing
 from .context import MixerContext
 
 
@@ -62,6 +62,21 @@ def conv_with_halo(ctx: MixerContext, kernel: MixerKernelRecord, x, weight, bias
     ext = torch.cat([x, gathered, x.new_zeros(1, x.shape[1])]).index_select(0, halo.ext_index)
     table = ctx.table(("halo", width), lambda: halo.plan.ext_runs, x.device)
     return kernel.fn(ext, weight, bias, activation, table).index_select(0, halo.keep), gathered
+
+
+def conv_rows(ctx: MixerContext, name: str, shape: MixerShape, x, weight, bias, activation):
+    """The depthwise convolution that opens a mixer layer without a head-parallel transport (Mamba1,
+    Mamba2), over this rank's rows `x [L, C]` per document, with the layer's transport: -> (`[L, C]`,
+    the gathered halo under state passing, to order the layer's next gather after, or None on one
+    rank). `name` names the layer in the error a refused transport raises."""
+    try:
+        states = ctx.transport_for(shape) == "states"
+    except ValueError as exc:
+        raise ValueError(f"blockdiag_cp: {name}: {exc}") from None
+    conv = ctx.kernel("short_conv", x, MixerDims())
+    if states:
+        return conv_with_halo(ctx, conv, x, weight, bias, activation)
+    return conv.fn(x, weight, bias, activation, ctx.table("pack", lambda: ctx.runs, x.device)), None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import copy
 import dataclasses
 
 import pytest
-import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import PAIR_COUNT
