@@ -2,7 +2,7 @@
 patches"): a Phi-3 LongRoPE model that nobody patched, given to the shard step as `model=` or
 wrapped by accelerate's `wrap_model`, trains exactly like the stock model on the same pack, and
 the patch is logged once; a model type the library refuses raises its NotImplementedError on
-every rank at the first step, before any attention call (a pure Mamba model has none)."""
+every rank at the first step, before any attention call (a pure RWKV model has none)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MambaConfig
+from transformers import AutoModelForCausalLM, RwkvConfig
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm import DPCPCoordinates, build_dp_cp_mesh
@@ -72,15 +72,15 @@ def test_unpatched_model_is_patched_where_the_library_sees_it(gloo, entry):
         assert len(logged) == 1 and "'global_rope'" in logged[0] and "Phi3ForCausalLM" in logged[0], logged
 
 
-def _mamba():
-    config = MambaConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, state_size=4, expand=2, conv_kernel=4,
-                         pad_token_id=0)
+def _rwkv():
+    config = RwkvConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                        intermediate_size=64, context_length=64, pad_token_id=0)
     return AutoModelForCausalLM.from_config(config)
 
 
 def refused_model_case(rank, world_size, group, entry):
-    """The error a pure Mamba (selective scan) model gets from `entry`, or None if it trained."""
-    model = _mamba()
+    """The error a pure RWKV model (no attention call) gets from `entry`, or None if it trained."""
+    model = _rwkv()
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
     try:
@@ -97,5 +97,5 @@ def refused_model_case(rank, world_size, group, entry):
 @pytest.mark.parametrize("entry", ["step", "wrap_model"])
 def test_refused_model_type_raises_at_the_first_step(gloo, entry):
     for rank, message in enumerate(gloo(2).run(refused_model_case, entry=entry)):
-        assert message is not None and message.startswith("NotImplementedError: blockdiag_cp: model_type 'mamba' is "
+        assert message is not None and message.startswith("NotImplementedError: blockdiag_cp: model_type 'rwkv' is "
                                                           "not supported"), f"rank {rank}: {message!r}"
