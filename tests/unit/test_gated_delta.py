@@ -26,7 +26,7 @@ from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.model_patches import gated_delta
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model
-from helpers.reference import make_docs, reference_loss_and_grads, rel_err
+from helpers.reference import check_layer_per_document, make_docs, reference_loss_and_grads, rel_err
 
 LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the delta rule
 
@@ -45,30 +45,9 @@ def _inputs(hidden_size):
     return x, probe
 
 
-def _per_document(stock, x, probe):
-    stock.zero_grad(set_to_none=True)
-    outs, start = [], 0
-    for n in LENGTHS:
-        outs.append(stock(x[:, start : start + n]))
-        start += n
-    out = torch.cat(outs, dim=1)
-    (out * probe).sum().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in stock.named_parameters()}
-
-
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_packed_layer_equals_each_document_alone(family):
-    stock, patched = _layers(family)
-    x, probe = _inputs(stock.hidden_size)
-    ref_out, ref_grads = _per_document(stock, x, probe)
-    cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32)
-    out = patched(x, cu_seq_lens_q=cu)
-    (out * probe).sum().backward()
-    assert rel_err(out.detach(), ref_out) <= 1e-5
-    for name, p in patched.named_parameters():
-        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
-    with torch.no_grad():
-        assert rel_err(stock(x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
+    check_layer_per_document(*_layers(family), LENGTHS)
 
 
 def _mixer_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):

@@ -29,7 +29,7 @@ from hf_blockdiag_cp.mixers import MixerContext, selective_scan, ssd
 from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, tiny_hybrid_config
-from helpers.reference import rel_err
+from helpers.reference import check_layer_per_document, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row chunks of the scan
 
@@ -112,24 +112,7 @@ def _inputs(hidden_size):
 
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES + MAMBA1_FAMILIES)
 def test_packed_layer_equals_each_document_alone(family):
-    stock, patched = _layers(family)
-    x, probe = _inputs(stock.hidden_size)
-    stock.zero_grad(set_to_none=True)
-    outs, start = [], 0
-    for n in LENGTHS:
-        outs.append(stock(x[:, start : start + n]))
-        start += n
-    ref_out = torch.cat(outs, dim=1)
-    (ref_out * probe).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in stock.named_parameters()}
-    cu = torch.tensor([0, LENGTHS[0], LENGTHS[0] + LENGTHS[1], sum(LENGTHS)], dtype=torch.int32)
-    out = patched(x, cu_seq_lens_q=cu)
-    (out * probe).sum().backward()
-    assert rel_err(out.detach(), ref_out.detach()) <= 1e-5
-    for name, p in patched.named_parameters():
-        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
-    with torch.no_grad():
-        assert rel_err(stock(x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
+    check_layer_per_document(*_layers(family), LENGTHS)
 
 
 def _scan_out(layer, x, conv_runs: MixerRuns, scan_runs: MixerRuns):
