@@ -198,6 +198,18 @@ def test_hybrid_without_the_patch_cannot_run_a_step():
     assert bdcp.apply_model_patches(copy.deepcopy(model)) == ("mamba2_packed",)
 
 
+def test_a_hybrid_whose_attention_bypasses_the_step_still_raises():
+    """Only a model without attention layers may run a step without an attention call: a patched
+    NemotronH on `sdpa` attention (its attention layers attend inside the shard) raises."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hybrid_config("nemotron_h"), attn_implementation="sdpa")
+    bdcp.apply_model_patches(model)
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch())
+    with pytest.raises(RuntimeError, match="no attention call went through"):
+        with train_ctx():
+            model(**local).loss.backward()
+
+
 def test_mamba_ssm_is_refused_until_verified():
     with pytest.raises(ValueError, match="mamba_ssm.*CUDA"):
         choose_mixer_kernel("ssd_scan", "mamba_ssm", torch.device("cpu"), torch.float32, MixerDims(8, 8))
