@@ -1,0 +1,81 @@
+"""LFM2 and LFM2-MoE (short gated convolutions) train exactly under CP (I1, I2, I5).
+
+Gloo parity: loss and every gradient at G = 1-4, against the stock model with `eager` attention
+run on each document separately. The convolution crosses ranks by state passing of its halo (the
+kernel - 1 rows before each piece). The pack holds 1-token documents and a document over three
+ranks (two at G = 2); contiguous and balanced layouts, with and without activation checkpointing;
+plus a pack whose last rank holds only padding. Also: asking for `heads` raises on every rank (no
+hang).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.planning import PAIR_COUNT
+from helpers.model_zoo import CONV_FAMILIES, build_hybrid_pair
+from helpers.packs import long_pack, make_pack
+from helpers.reference import compare_with_reference, reference_loss_and_grads
+
+TOL = 1e-4
+CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cost=PAIR_COUNT)
+VARIANTS = (("long", "contiguous", False), ("long", "balanced", True), ("padding_rank", "contiguous", True))
+
+
+def _run(model, batch, group, strategy, checkpointing, config=CONFIG):
+    model = copy.deepcopy(model)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=dataclasses.replace(config, layout=strategy))
+    with train_ctx() as step:
+        loss = model(**local).loss
+        loss.backward()
+    return model, loss, step.choices.mixers
+
+
+def short_conv_parity_case(rank, world_size, group, family):
+    """Worst relative error of every variant and what the token mixers ran."""
+    ref, model = build_hybrid_pair(family)
+    results = {}
+    for pack, strategy, checkpointing in VARIANTS:
+        docs, batch = long_pack(world_size) if pack == "long" else make_pack(pack, world_size)
+        ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+        trained, loss, mixers = _run(model, batch, group, strategy, checkpointing)
+        errors = compare_with_reference(trained, ref_loss, ref_grads, loss, group, world_size)
+        # DDP and FSDP expect a gradient of every parameter on every rank, a padding-only rank's too
+        errors["parameters without a gradient"] = float(sum(p.grad is None for p in trained.parameters()))
+        worst = max(errors, key=errors.get)
+        results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}"] = (errors[worst], worst, errors["loss"], mixers)
+    return results
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("family", CONV_FAMILIES)
+def test_short_conv_matches_per_document_reference(gloo, family, world_size):
+    transport = "local" if world_size == 1 else "states"
+    for rank, results in enumerate(gloo(world_size).run(short_conv_parity_case, family=family)):
+        for variant, (err, name, loss_err, mixers) in results.items():
+            assert mixers == f"short_conv=torch transport={transport}", f"{variant}: {mixers}"
+            assert loss_err <= TOL, f"{family} G={world_size} rank {rank} {variant}: loss relative error {loss_err:.2e}"
+            assert err <= TOL, f"{family} G={world_size} rank {rank} {variant}: {name} relative error {err:.2e}"
+
+
+def heads_refused_case(rank, world_size, group):
+    _, model = build_hybrid_pair("lfm2")
+    _, batch = long_pack(world_size)
+    try:
+        _run(model, batch, group, "contiguous", False, dataclasses.replace(CONFIG, mixer_transport="heads"))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_heads_transport_is_refused_on_every_rank(gloo):
+    for rank, message in enumerate(gloo(2).run(heads_refused_case)):
+        assert message is not None, f"rank {rank} did not raise"
+        for part in ("Lfm2ShortConv", "state passing", "'states'"):
+            assert part in message, f"rank {rank}: {part!r} missing from {message!r}"

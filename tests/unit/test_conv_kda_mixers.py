@@ -1,0 +1,134 @@
+"""The short-convolution (LFM2) and KDA (Kimi Linear, Bailing-Hybrid) patches on one process
+(model_patches/lfm2.py, model_patches/kda.py; docs/models.md).
+
+- Each family's model gets its patch from `apply_model_patches` (a type off the unsupported list
+  without a registered patch would train silently wrong).
+- A patched layer on a 2-document pack equals the stock layer on each document alone (outputs and
+  parameter gradients), and the stock layer on the pack differs from it.
+- The reference discriminates: a convolution that crosses the boundary and (KDA) a state that
+  crosses it each change the second document.
+- Outside a CP step without packing information the patched model is the stock model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_blockdiag_cp.kernels import RunTable
+from hf_blockdiag_cp.kernels.delta_rule import torch_delta_rule
+from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.mixers import MixerContext, gated_conv_mix, gated_delta_mix
+from hf_blockdiag_cp.model_patches import apply_model_patches, kda, lfm2
+from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
+from helpers.model_zoo import CONV_FAMILIES, KDA_FAMILIES, build_hybrid_pair
+from helpers.reference import rel_err
+
+LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the KDA rule
+FAMILIES = CONV_FAMILIES + KDA_FAMILIES
+PATCH_NAMES = {"lfm2": "short_conv_packed", "lfm2_moe": "short_conv_packed", "kimi_linear": "kda_packed",
+               "bailing_hybrid": "kda_packed"}
+
+
+def _is_layer(family):
+    return lfm2.is_short_conv if family in CONV_FAMILIES else kda.is_kda_layer
+
+
+def _layers(family):
+    ref, model = build_hybrid_pair(family)
+    pick = _is_layer(family)
+    return [m for m in ref.modules() if pick(m)][0], [m for m in model.modules() if pick(m)][0]
+
+
+def _inputs(hidden_size):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(1, sum(LENGTHS), hidden_size, generator=g), torch.randn(1, sum(LENGTHS), hidden_size, generator=g)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_gets_its_patch(family):
+    ref, model = build_hybrid_pair(family)
+    assert PATCH_NAMES[family] in apply_model_patches(model)
+    assert sum(_is_layer(family)(m) and "forward" in vars(m) for m in model.modules()) == 2  # both mixer layers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_layer_equals_each_document_alone(family):
+    stock, patched = _layers(family)
+    x, probe = _inputs(stock.out_proj.out_features if family in CONV_FAMILIES else stock.hidden_size)
+    outs, start = [], 0
+    for n in LENGTHS:
+        outs.append(stock(hidden_states=x[:, start : start + n]))
+        start += n
+    ref_out = torch.cat(outs, dim=1)
+    (ref_out * probe).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in stock.named_parameters()}
+    out = patched(hidden_states=x, cu_seq_lens_q=torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32))
+    (out * probe).sum().backward()
+    assert rel_err(out.detach(), ref_out.detach()) <= 1e-5
+    for name, p in patched.named_parameters():
+        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
+    with torch.no_grad():
+        assert rel_err(stock(hidden_states=x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
+
+
+def _runs():
+    length = sum(LENGTHS)
+    return (MixerRuns.documents(torch.tensor([0, LENGTHS[0], length]), length),
+            MixerRuns.documents(torch.tensor([0, length]), length))
+
+
+@pytest.mark.parametrize("family", CONV_FAMILIES)
+def test_conv_reference_catches_a_crossing_convolution(family):
+    _, layer = _layers(family)
+    x, _ = _inputs(layer.out_proj.out_features)
+    split, whole = _runs()
+    spec = lfm2.mixer_layer(layer)
+    with torch.no_grad():
+        gate_in, _, values = layer.in_proj(x[0]).chunk(3, dim=-1)
+        gated = gate_in * values
+        exact = torch_short_conv(gated, spec.conv_weight, spec.conv_bias, None, RunTable.build(split, "cpu"))
+        crosses = torch_short_conv(gated, spec.conv_weight, spec.conv_bias, None, RunTable.build(whole, "cpu"))
+        mixer = gated_conv_mix(spec, gated, MixerContext.from_runs(split))
+    assert rel_err(mixer, exact) <= 1e-6  # the mixer the patch runs is this convolution
+    second = slice(LENGTHS[0], sum(LENGTHS))
+    assert rel_err(crosses[second], exact[second]) > 1e-3
+    assert torch.equal(crosses[: LENGTHS[0]], exact[: LENGTHS[0]])
+
+
+def _kda_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
+    """The KDA layer's core output with its convolution restarted at `conv_runs` and its rule at `rule_runs`."""
+    mixed, _, b, a = kda._project(layer, x[0])
+    spec = kda.mixer_layer(layer)
+    mixed = torch_short_conv(mixed, spec.conv_weight, spec.conv_bias, spec.activation, RunTable.build(conv_runs, "cpu"))
+    q, k, v = (t.reshape(mixed.shape[0], spec.key_heads, -1) for t in mixed.chunk(3, dim=-1))
+    beta, g = spec.gates(b, a, slice(None))
+    return torch_delta_rule(q, k, v, g, beta, RunTable.build(rule_runs, "cpu"), torch_rule=spec.torch_rule)[0]
+
+
+@pytest.mark.parametrize("family", KDA_FAMILIES)
+def test_kda_reference_catches_a_crossing_convolution_or_state(family):
+    _, layer = _layers(family)
+    x, _ = _inputs(layer.hidden_size)
+    split, whole = _runs()
+    with torch.no_grad():
+        exact = _kda_out(layer, x, split, split)
+        conv_crosses = _kda_out(layer, x, whole, split)
+        state_crosses = _kda_out(layer, x, split, whole)
+        mixed, _, b, a = kda._project(layer, x[0])
+        mixer = gated_delta_mix(kda.mixer_layer(layer), mixed, b, a, MixerContext.from_runs(split))
+    assert rel_err(mixer, exact) <= 1e-6
+    second = slice(LENGTHS[0], sum(LENGTHS))
+    assert rel_err(conv_crosses[second], exact[second]) > 1e-3
+    assert rel_err(state_crosses[second], exact[second]) > 1e-3
+    assert torch.equal(state_crosses[: LENGTHS[0]], exact[: LENGTHS[0]])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outside_a_step_the_model_is_stock(family):
+    ref, model = build_hybrid_pair(family)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
