@@ -5,9 +5,11 @@
     accelerate launch --num_processes 8 examples/train_packed.py --cp-size 4 --bf16         # GPUs: NCCL
     torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch qwen3_5   # a tiny hybrid
     torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch nemotron_h  # Mamba2 hybrid
+    torchrun --standalone --nproc-per-node 2 examples/train_packed.py --tiny-arch lfm2        # short-conv hybrid
 
 Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen3_5`: a tiny
-Qwen3.5 hybrid, `nemotron_h`: a tiny Nemotron-H Mamba2 hybrid), trained offline on the embedded
+Qwen3.5 hybrid, `nemotron_h`: a tiny Nemotron-H Mamba2 hybrid, `lfm2`: a tiny LFM2 short-convolution
+hybrid), trained offline on the embedded
 corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library, byte
 tokens), cp = number of processes.
 
@@ -57,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="hub id or local path (default: a tiny model from a config, random init)")
     p.add_argument("--tiny-arch", choices=TINY_ARCHS, default=None, help="architecture of the default tiny model: "
-                   "llama (default), qwen3_5 (gated delta-rule + full-attention layers) or nemotron_h "
-                   "(Mamba2 + attention + MLP layers)")
+                   "llama (default), qwen3_5 (gated delta-rule + full-attention layers), nemotron_h "
+                   "(Mamba2 + attention + MLP layers) or lfm2 (short gated convolution + full-attention layers)")
     p.add_argument("--random-init", action="store_true", help="with --model: build from its config, random weights")
     p.add_argument("--dataset", default=None, help="a datasets name, or local json/jsonl/csv/parquet/txt file(s) or folder "
                    "(default: the embedded stdlib corpus)")
@@ -97,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- model and data
 
 
-TINY_ARCHS = ("llama", "qwen3_5", "nemotron_h")
+TINY_ARCHS = ("llama", "qwen3_5", "nemotron_h", "lfm2")
 
 
 def tiny_config(arch: str, vocab_size: int, max_tokens: int):
@@ -117,6 +119,11 @@ def tiny_config(arch: str, vocab_size: int, max_tokens: int):
 
         return NemotronHConfig(**common, head_dim=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
                                mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=64)
+    if arch == "lfm2":  # short gated convolution (kernel 3), attention, convolution, attention layers
+        from transformers import Lfm2Config
+
+        return Lfm2Config(**common, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
+                          block_auto_adjust_ff_dim=False)
     from transformers import LlamaConfig
 
     return LlamaConfig(**common, head_dim=64, num_hidden_layers=2)

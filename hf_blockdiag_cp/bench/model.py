@@ -235,7 +235,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="hub id or local path of a config (overrides --arch)")
     p.add_argument("--arch", choices=sorted(CONFIGS), default="llama",
                    help="default config: llama (1.2B Llama), qwen3_5 (~1B Qwen3.5-style gated delta-rule hybrid), "
-                        "nemotron_h (~1.2B Nemotron-H-style Mamba2 hybrid)")
+                        "nemotron_h (~1.2B Nemotron-H-style Mamba2 hybrid), lfm2 (~1.3B LFM2-style short-convolution "
+                        "hybrid)")
     p.add_argument("--tiny", action="store_true", help="--arch at toy sizes (CPU smoke runs)")
     p.add_argument("--seq-lens", type=int, nargs="*", default=[16384, 32768, 65536], help="none: only the --fit-methods search")
     p.add_argument("--methods", nargs="+", default=["blockdiag_cp/varlen", "blockdiag_cp/flex", "hf_sdpa", "hf_flex"])
@@ -275,7 +276,8 @@ COLUMNS = ["seq_len", "docs", "method", "first_s", "step_s", "step_spread_s", "t
            "frames_compiled", "graphs_compiled", "graphs_compiled_later", "padded_tokens", "mixers"]
 
 
-TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid", "nemotron_h": "~1.2B Nemotron-H-style hybrid"}
+TITLES = {"llama": "1.2B Llama-architecture", "qwen3_5": "~1B Qwen3.5-style hybrid", "nemotron_h": "~1.2B Nemotron-H-style hybrid",
+          "lfm2": "~1.3B LFM2-style hybrid"}
 
 
 def _write(args, result) -> str:

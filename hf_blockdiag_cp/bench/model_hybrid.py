@@ -8,7 +8,10 @@ hidden; full attention at head dim 256 with 4 query heads per KV head; MLP 3x hi
 the Llama config's vocabulary so the two architectures compare. `--arch nemotron_h` is a ~1.2B
 Nemotron-H-style hybrid at the same hidden size: 24 layers, Mamba2 and MLP layers alternating with
 one attention layer in four mixer layers (64 Mamba2 heads of 64 in 8 groups, state 128, 128-row
-scan chunks; attention 16 heads of 128 on 4 KV heads; squared-ReLU MLP 4x hidden). Ours runs on
+scan chunks; attention 16 heads of 128 on 4 KV heads; squared-ReLU MLP 4x hidden). `--arch lfm2` is
+a ~1.3B LFM2-style hybrid (LFM2-1.2B's layout at the same vocabulary): 16 layers, 10 short gated
+convolutions of kernel 3 and 6 attention layers (32 heads of 64 on 8 KV heads) at layers 2, 5, 8,
+10, 12 and 14, SwiGLU MLP of 8192. Ours runs on
 a deep copy with the model patches applied; the stock baselines run on the unpatched model, on
 Transformers' own torch convolution, delta rule and Mamba2 scan unless `--stock-delta-rule
 installed`, so that both sides run the same kernels (the patch's torch path calls those same
@@ -36,6 +39,7 @@ CONFIG_1B = dict(
 )
 # Nemotron-H's pattern at 24 layers: (Mamba2, MLP) x 3 then (attention, MLP), three times
 NEMOTRON_H_LAYERS = (["mamba", "mlp"] * 3 + ["attention", "mlp"]) * 3
+LFM2_LAYERS = ["full_attention" if i in (2, 5, 8, 10, 12, 14) else "conv" for i in range(16)]
 CONFIGS = {
     "llama": ("LlamaConfig", CONFIG_1B),
     "qwen3_5": ("Qwen3_5TextConfig", dict(
@@ -50,13 +54,18 @@ CONFIGS = {
         num_attention_heads=16, num_key_value_heads=4, head_dim=128, mamba_num_heads=64, mamba_head_dim=64, n_groups=8,
         ssm_state_size=128, conv_kernel=4, chunk_size=128, max_position_embeddings=1 << 20, tie_word_embeddings=True,
     )),
+    "lfm2": ("Lfm2Config", dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, block_auto_adjust_ff_dim=False, num_hidden_layers=16,
+        layer_types=LFM2_LAYERS, num_attention_heads=32, num_key_value_heads=8, conv_L_cache=3,
+        max_position_embeddings=1 << 20, tie_word_embeddings=True,
+    )),
 }
 # `--tiny`: the same architecture at toy sizes (CPU smoke runs of the script).
 TINY = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 TINY_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
 TINY_MAMBA2 = dict(mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16)
 # (block steps, rounds) per architecture when not given: the hybrids' stock token mixers are slow.
-TIMING_DEFAULTS = {"llama": (3, 2), "qwen3_5": (3, 1), "nemotron_h": (3, 1)}
+TIMING_DEFAULTS = {"llama": (3, 2), "qwen3_5": (3, 1), "nemotron_h": (3, 1), "lfm2": (3, 1)}
 
 
 def build_config(args):
@@ -80,6 +89,8 @@ def build_config(args):
             fields["layers_block_type"] = fields["layers_block_type"][: args.layers]
         elif args.layers:
             fields["num_hidden_layers"] = args.layers
+            if "layer_types" in fields:  # LFM2: the first layers of its pattern
+                fields["layer_types"] = fields["layer_types"][: args.layers]
         config = getattr(transformers, class_name)(**fields)
     config.use_cache = False
     return config

@@ -64,9 +64,10 @@ def test_eager_baselines_needs_compile():
         bench_main(["model", "--tiny", "--device", "cpu", "--eager-baselines"])
 
 
-@pytest.mark.parametrize("arch,layers,patch", [("qwen3_5", "4", "gated_delta_packed"), ("nemotron_h", "8", "mamba2_packed")])
+@pytest.mark.parametrize("arch,layers,patch", [("qwen3_5", "4", "gated_delta_packed"), ("nemotron_h", "8", "mamba2_packed"),
+                                               ("lfm2", "3", "short_conv_packed")])
 def test_bench_model_hybrid_cpu_smoke(tmp_path, arch, layers, patch):
-    """`--arch qwen3_5` and `nemotron_h`: ours on the patched copy, the stock baselines (packed, and the
+    """`--arch qwen3_5`, `nemotron_h` and `lfm2`: ours on the patched copy, the stock baselines (packed, and the
     documents unpacked and padded) on the unpatched model, ratios of ours over each baseline."""
     methods = ["blockdiag_cp/dense", "hf_sdpa", "hf_padded"]
     bench_main(["model", "--arch", arch, "--tiny", "--device", "cpu", "--layers", layers, "--seq-lens", "256",
