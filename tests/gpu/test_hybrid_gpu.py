@@ -1,5 +1,6 @@
 """Token-mixer hybrids in bf16 on one GPU (I1), per parameter group, over seeds: the gated delta rule
-(Qwen3.5, Qwen3-Next, Qwen3.5-MoE text) and Mamba2 (NemotronH, GraniteMoeHybrid).
+(Qwen3.5, Qwen3-Next, Qwen3.5-MoE text), Mamba2 (NemotronH, GraniteMoeHybrid), LFM2's short gated
+convolution and Kimi Linear's KDA.
 
 For every seed (model, with Transformers' own initialisation, and documents), three runs of the same pack are measured against the stock model
 in fp32 on each document unpacked (eager attention, Transformers' torch convolution and delta rule,
@@ -56,9 +57,19 @@ GPU_MAMBA2_SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_he
                         head_dim=64, initializer_range=0.02,
                         sizes=dict(heads=4, head_dim=64, groups=2, state=64, conv=4, chunk=64))
 MAMBA2_GPU_FAMILIES = ("nemotron_h", "granitemoehybrid")
+# LFM2: attention 4 heads of 64; Kimi Linear: 2 KDA heads of 128, MLA with query/key head dim 64 and value 64
+GPU_CONV_KDA_SIZES = {
+    "lfm2": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, initializer_range=0.02),
+    "kimi_linear": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
+                        qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64, kv_lora_rank=64, linear_num_heads=2,
+                        linear_head_dim=128, initializer_range=0.02, num_experts=4, num_experts_per_tok=4,
+                        moe_intermediate_size=128),
+}
 
 
 def gpu_sizes(family: str) -> dict:
+    if family in GPU_CONV_KDA_SIZES:
+        return GPU_CONV_KDA_SIZES[family]
     if family == "qwen3_5":
         return dict(GPU_SIZES, intermediate_size=512)
     if family == "granitemoehybrid":
@@ -78,10 +89,11 @@ _ATTENTION_PARTS = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.")  # NemotronH
 def group_of(name: str) -> str:
     """The parameter group of `name`: the token mixers' decay parameters (A_log, dt_bias; Mamba2's D)
     and the rest of the mixers (gated delta rule `linear_attn`, Mamba2 `mamba` or NemotronH's Mamba2
-    `mixer`), attention, MLP, the rest."""
+    `mixer`, LFM2's `conv`), attention (Kimi Linear's KDA layers too: they are its `self_attn`), MLP,
+    the rest (LFM2's `feed_forward` MLP among it)."""
     if name.endswith((".A_log", ".dt_bias", ".D")):
         return "decay"
-    if ".linear_attn." in name or ".mamba." in name or (".mixer." in name and any(p in name for p in _MAMBA2_PARTS)):
+    if ".linear_attn." in name or ".mamba." in name or ".conv." in name or (".mixer." in name and any(p in name for p in _MAMBA2_PARTS)):
         return "linear_attn"
     if ".self_attn." in name or (".mixer." in name and any(p in name for p in _ATTENTION_PARTS)):
         return "self_attn"
@@ -174,7 +186,7 @@ def _variants(world_size: int, family: str) -> list[tuple[str, str, str, str]]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe", *MAMBA2_GPU_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "qwen3_5_moe", *MAMBA2_GPU_FAMILIES, *GPU_CONV_KDA_SIZES])
 def test_hybrid_bf16_parity_per_parameter_group(gloo, record_property, family, world_size):
     _require_family(family)
     results = gloo(world_size).run(hybrid_seeds_case, timeout=900, family=family, variants=_variants(world_size, family))
