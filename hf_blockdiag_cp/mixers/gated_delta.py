@@ -65,7 +65,8 @@ class GatedDeltaLayer:
 
     def shape(self, bytes_per_element: int) -> MixerShape:
         return MixerShape(self.key_heads, self.key_dim, self.value_heads, self.value_dim,
-                          self.conv_weight.shape[0], self.conv_weight.shape[-1], bytes_per_element)
+                          self.conv_weight.shape[0], self.conv_weight.shape[-1], bytes_per_element,
+                          gate_width=self.gate_width)
 
 
 def _split(mixed, key_heads: int, key_dim: int, value_heads: int, value_dim: int):

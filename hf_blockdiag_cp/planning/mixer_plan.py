@@ -242,7 +242,8 @@ class MixerShape:
     transition is per value head: a [Dk, Dk] matrix (`"matrix"`, the delta rule), one number
     (`"head"`, Mamba2's SSD: key heads and dim are B and C's groups and state size) or one number per
     state entry (`"entry"`, Mamba1: one head of Dv channels, Dk state entries each);
-    `head_parallel`: whether the mixer has the head-parallel transport."""
+    `head_parallel`: whether the mixer has the head-parallel transport; `gate_width`: the channels
+    of the decay's gate input per value head (1; KDA: Dk, a decay per key channel)."""
 
     key_heads: int
     key_dim: int
@@ -253,6 +254,7 @@ class MixerShape:
     bytes_per_element: int = 2
     decay: str = "matrix"
     head_parallel: bool = True
+    gate_width: int = 1
 
     def __post_init__(self):
         if self.decay not in MIXER_DECAYS:
@@ -260,8 +262,9 @@ class MixerShape:
 
     @property
     def input_channels(self) -> int:
-        """Per row into the mixer: q, k, v (the convolution's channels) and one gate and one rate per value head."""
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim + 2 * self.value_heads
+        """Per row into the mixer: q, k, v (the convolution's channels), one rate and `gate_width` decay
+        gate inputs per value head."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim + (1 + self.gate_width) * self.value_heads
 
     @property
     def state_elements(self) -> int:

@@ -19,7 +19,7 @@ from hf_blockdiag_cp.kernels import RunTable
 from hf_blockdiag_cp.kernels.delta_rule import torch_delta_rule
 from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
 from hf_blockdiag_cp.mixers import MixerContext, gated_conv_mix, gated_delta_mix
-from hf_blockdiag_cp.model_patches import apply_model_patches, kda, lfm2
+from hf_blockdiag_cp.model_patches import apply_model_patches, gated_delta, kda, lfm2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import CONV_FAMILIES, KDA_FAMILIES, build_hybrid_pair
 from helpers.reference import rel_err
@@ -132,3 +132,15 @@ def test_outside_a_step_the_model_is_stock(family):
     ref.eval(), model.eval()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_kda_layer_shape_counts_its_per_channel_gate():
+    """The head-parallel transport's cost counts what it sends per row: q, k, v, beta and KDA's forget-gate
+    input, Dk channels per head (the gated delta rule sends one)."""
+    _, layer = _layers("kimi_linear")
+    spec = kda.mixer_layer(layer)
+    heads, dim = layer.num_heads, layer.head_dim
+    assert spec.shape(2).input_channels == 3 * heads * dim + heads + heads * dim
+    _, olmo = build_hybrid_pair("olmo_hybrid")
+    gdn = gated_delta.mixer_layer(next(m for m in olmo.modules() if gated_delta.is_gated_delta_net(m)))
+    assert gdn.shape(2).input_channels == 2 * gdn.key_heads * gdn.key_dim + gdn.value_heads * gdn.value_dim + 2 * gdn.value_heads
