@@ -160,13 +160,19 @@ def fla_backend_reason(device_index: int) -> str | None:
     return None
 
 
-def fla_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+def fla_device(device: torch.device) -> tuple[str | None, int]:
+    """(Why fla's kernels cannot run on `device`, or None; its compute capability major, 0 off CUDA):
+    the common part of every fla record's check."""
     if device.type != "cuda":
-        return f"flash-linear-attention needs a CUDA device; got {device.type}"
-    reason = fla_backend_reason(device.index if device.index is not None else torch.cuda.current_device())
+        return f"flash-linear-attention needs a CUDA device; got {device.type}", 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return fla_backend_reason(index), torch.cuda.get_device_capability(index)[0]
+
+
+def fla_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    reason, major = fla_device(device)
     if reason is not None:
         return reason
-    major = torch.cuda.get_device_capability(device)[0]
     if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_VERIFIED:
         verified = sorted(f"sm{m}x {str(d).removeprefix('torch.')} {kd}x{vd}{' with states' * s}"
                           for m, d, (kd, vd), s in FLA_VERIFIED)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .delta_rule import fla_backend_reason, torch_check, torch_delta_rule
+from .delta_rule import fla_device, torch_check, torch_delta_rule
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where fla's chunk_kda was checked forward and backward against a float64 reference
@@ -26,12 +26,9 @@ TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule
 
 
 def fla_kda_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    if device.type != "cuda":
-        return f"flash-linear-attention needs a CUDA device; got {device.type}"
-    reason = fla_backend_reason(device.index if device.index is not None else torch.cuda.current_device())
+    reason, major = fla_device(device)
     if reason is not None:
         return reason
-    major = torch.cuda.get_device_capability(device)[0]
     if (major, dtype, (dims.key_dim, dims.value_dim)) not in FLA_KDA_VERIFIED:
         return (f"fla's chunk_kda was not verified for compute capability {major}.x, {dtype}, head dims "
                 f"{dims.key_dim}x{dims.value_dim}")

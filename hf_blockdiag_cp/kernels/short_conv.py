@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from .delta_rule import fla_backend_reason
+from .delta_rule import fla_device
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where fla's convolution was checked forward and backward against a float64 reference
@@ -55,12 +55,9 @@ TORCH = register_mixer_kernel(MixerKernelRecord("torch", "short_conv", torch_sho
 
 
 def fla_conv_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    if device.type != "cuda":
-        return f"flash-linear-attention needs a CUDA device; got {device.type}"
-    reason = fla_backend_reason(device.index if device.index is not None else torch.cuda.current_device())
+    reason, major = fla_device(device)
     if reason is not None:
         return reason
-    major = torch.cuda.get_device_capability(device)[0]
     if (major, dtype) not in FLA_CONV_VERIFIED:
         return f"the fla convolution was not verified for compute capability {major}.x and {dtype}"
     return None
