@@ -100,10 +100,11 @@ def _project(module, hidden: torch.Tensor):
 
 
 @torch.compiler.disable
-def _mix_documents(module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
-    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
-    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
-    return gated_delta_mix(mixer_layer(module), mixed, b, a, mixer_context(module, step, kwargs, rows))
+def mix_documents(layer_of, module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
+    """The delta-rule mixer over the pack's documents, for the layer record `layer_of(module)`: eager,
+    a graph break under `torch.compile`, so the pack's runs and the step stay out of compiled graphs
+    (no recompile per pack)."""
+    return gated_delta_mix(layer_of(module), mixed, b, a, mixer_context(module, step, kwargs, rows))
 
 
 def packed_forward(self, hidden_states, *args, **kwargs):
@@ -114,7 +115,7 @@ def packed_forward(self, hidden_states, *args, **kwargs):
     step, x = entry
     rows = x.shape[0]
     mixed, z, b, a = _project(self, x)
-    core = _mix_documents(self, step, kwargs, rows, mixed, b, a)
+    core = mix_documents(mixer_layer, self, step, kwargs, rows, mixed, b, a)
     norm, out_proj = _norm_and_out(self)
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return out_proj(core.reshape(1, rows, -1))

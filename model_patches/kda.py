@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_blockdiag_cp.mixers import GatedDeltaLayer, gated_delta_mix
+from hf_blockdiag_cp.mixers import GatedDeltaLayer
 
-from .gated_delta import family_function, has_linear_layers
-from .packed_mixer import install, mixer_context, packed_rows
+from .gated_delta import family_function, has_linear_layers, mix_documents
+from .packed_mixer import install, packed_rows
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("kimi_linear", "bailing_hybrid")
@@ -104,12 +104,6 @@ def _project(module, x: torch.Tensor):
     return mixed, out_gate.view(x.shape[0], -1, module.head_dim), module.b_proj(x), a
 
 
-@torch.compiler.disable
-def _mix_documents(module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
-    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`."""
-    return gated_delta_mix(mixer_layer(module), mixed, b, a, mixer_context(module, step, kwargs, rows))
-
-
 def packed_forward(self, hidden_states, *args, **kwargs):
     """DeltaAttention forward that keeps the documents of a packed row apart (see the module docstring)."""
     entry = packed_rows(self, hidden_states, args, kwargs)
@@ -118,7 +112,7 @@ def packed_forward(self, hidden_states, *args, **kwargs):
     step, x = entry
     rows = x.shape[0]
     mixed, out_gate, b, a = _project(self, x)
-    core = _mix_documents(self, step, kwargs, rows, mixed, b, a)
+    core = mix_documents(mixer_layer, self, step, kwargs, rows, mixed, b, a)
     return self.o_proj(self.o_norm(core[None], out_gate[None]).reshape(1, rows, -1))
 
 

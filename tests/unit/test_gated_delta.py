@@ -4,7 +4,7 @@
   and parameter gradients), and the reference discriminates: the stock layer on the pack, a
   convolution that crosses the boundary, and a state that crosses it all differ from it.
 - Outside a CP step without packing information the patched model is the stock model (forward
-  and cached generation).
+  and cached generation), for the KDA and short-convolution hybrids too.
 - A hybrid without the patch cannot run a CP step; the VL model's text steps equal its stock
   model per document, and it refuses images in a step.
 """
@@ -25,7 +25,9 @@ from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
 from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.model_patches import gated_delta
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
-from helpers.model_zoo import HYBRID_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model
+from helpers.model_zoo import (
+    CONV_FAMILIES, HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model,
+)
 from helpers.reference import check_layer_per_document, make_docs, reference_loss_and_grads, rel_err
 
 LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the delta rule
@@ -85,7 +87,7 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
     assert torch.equal(conv_crosses[: LENGTHS[0]], exact[: LENGTHS[0]])
 
 
-@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES + CONV_FAMILIES + KDA_FAMILIES)
 def test_outside_a_step_the_model_is_stock(family):
     ref, model = build_hybrid_pair(family)
     model.set_attn_implementation("eager")
