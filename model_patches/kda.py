@@ -52,8 +52,9 @@ class KimiDecay:
 @dataclass(frozen=True)
 class BailingDecay:
     """Bailing-Hybrid's gates (`BailingHybridForgetGate`): with u = a + dt_bias in fp32 and r = exp(A_log),
-    g = lower_bound·sigmoid(r·u) (its "safe" gate) or -r·softplus(u), in the activation dtype; beta =
-    sigmoid(b). `a [rows, h·Dk]` is `f_proj(x)`."""
+    g = lower_bound·sigmoid(r·u) (its "safe" gate) or -r·softplus(u); beta = sigmoid(b). `a [rows, h·Dk]`
+    is `f_proj(x)`. g stays in fp32, where the stock gate rounds it to the layer's input dtype (equal in
+    fp32 and under autocast; in a bf16 model the KDA rule, which computes in fp32, gets the unrounded g)."""
 
     A_log: torch.Tensor
     dt_bias: torch.Tensor
@@ -65,7 +66,7 @@ class BailingDecay:
         u = a.float().view(a.shape[0], -1, self.head_dim) + _head_channels(self.dt_bias, self.head_dim, heads)
         rate = self.A_log.exp().reshape(-1)[heads][:, None]
         g = self.lower_bound * torch.sigmoid(rate * u) if self.safe_gate else -rate * F.softplus(u)
-        return b.sigmoid(), g.to(a.dtype)
+        return b.sigmoid(), g
 
 
 def is_kda_layer(module: torch.nn.Module) -> bool:
