@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
 import statistics
 
 import pytest
@@ -34,9 +35,13 @@ from helpers.bf16_parity import GRAD_FACTOR, LOSS_TOL, cp_loss_and_grads
 from helpers.model_zoo import build_hybrid_pair
 from helpers.reference import make_docs, reference_loss_and_grads, rel_err
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-SEEDS = (0, 1, 2, 3, 4)
+# A GPU by default. `BDCP_BF16_DEVICE=cpu` runs the cp = 1 kernel check on the CPU with the reference
+# kernels (dense attention, torch mixers), and `BDCP_BF16_SEEDS` sets the number of seeds: the CPU
+# evidence of docs/models.md ("bf16") that the decay parameters' error is noise, not a bias.
+DEVICE = os.environ.get("BDCP_BF16_DEVICE", "cuda")
+SEEDS = tuple(range(int(os.environ.get("BDCP_BF16_SEEDS", "5"))))
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")]
 # Full attention at head dim 64 (FA4 verified there); linear layers with 2 key heads of 128 and
 # 4 value heads of 128 (fla verified there): head-parallel only at G = 2, state passing at any G.
 GPU_SIZES = dict(
@@ -124,7 +129,8 @@ def hybrid_pack(seed: int):
 def hybrid_seeds_case(rank, world_size, group, family, variants):
     """For each seed: the stock bf16 model's and each variant's (attn_backend, mixer_backend, mixer
     transport, layout) group errors and loss error; and what each variant's step ran."""
-    torch.cuda.set_device(0)
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
     torch.backends.cuda.matmul.allow_tf32 = False  # an fp32 reference (matmuls, and the stock convolution)
     torch.backends.cudnn.allow_tf32 = False
     out = {"stock": []} | {v: [] for v in variants}
@@ -132,17 +138,17 @@ def hybrid_seeds_case(rank, world_size, group, family, variants):
     for seed in SEEDS:
         ref32, model = build_hybrid_pair(family, seed=seed, stock_decays=True, **gpu_sizes(family))
         docs, batch = hybrid_pack(seed)
-        docs = [d.cuda() for d in docs]
+        docs = [d.to(DEVICE) for d in docs]
         with stock_torch_kernels(ref32):
-            loss32, grads32 = reference_loss_and_grads(ref32.cuda(), docs)
+            loss32, grads32 = reference_loss_and_grads(ref32.to(DEVICE), docs)
             loss_s, grads_s = reference_loss_and_grads(copy.deepcopy(ref32).to(torch.bfloat16), docs)
         out["stock"].append(dict(group_errors(grads_s, grads32), loss=rel_err(loss_s.float().cpu(), loss32.cpu())))
-        model = model.to("cuda", torch.bfloat16)
+        model = model.to(DEVICE, torch.bfloat16)
         for variant in variants:
             attn, mixer, transport, layout = variant
             config = bdcp.CPConfig(attn_backend=attn, kv_exchange="allgather", layout=layout, kernel_cost=PAIR_COUNT,
                                    mixer_backend=mixer, mixer_transport=transport)
-            loss, grads, step = cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True)
+            loss, grads, step = cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=True, device=DEVICE)
             out[variant].append(dict(group_errors(grads, grads32), loss=rel_err(loss.float().cpu(), loss32.cpu())))
             ran[variant] = step.choices.describe()
     return out, ran
@@ -168,7 +174,10 @@ def _check(results, what, record_property) -> None:
         if variant == "stock":
             continue
         ours = _medians(per_seed)
-        cells = ", ".join(f"{g} {ours[g]:.2e}/{stock[g]:.2e} ({ours[g] / stock[g]:.2f}x)" for g in GROUPS if g in ours)
+        # Ours the larger in how many seeds: a bias shows in nearly all, noise in about half.
+        worse = {g: sum(o[g] > s[g] for o, s in zip(per_seed, per_variant["stock"])) for g in ours}
+        cells = ", ".join(f"{g} {ours[g]:.2e}/{stock[g]:.2e} ({ours[g] / stock[g]:.2f}x, larger in {worse[g]}/{len(SEEDS)})"
+                          for g in GROUPS if g in ours)
         line = f"{what} {variant}: median over {len(SEEDS)} seeds ours/stock: {cells}; loss {ours['loss']:.1e} | {ran[variant]}"
         print(line)
         record_property(f"{what} {variant}", line)
@@ -194,8 +203,11 @@ def test_hybrid_bf16_parity_per_parameter_group(gloo, record_property, family, w
 
 
 def test_attention_and_mixer_kernels_keep_every_group_at_the_stock_error(gloo, record_property):
-    """cp = 1, each fast kernel alone against the reference kernels (dense attention, torch mixers)."""
+    """cp = 1, each fast kernel alone against the reference kernels (dense attention, torch mixers);
+    on the CPU the reference kernels only."""
     variants = [("dense", "torch", "auto", "contiguous"), ("auto", "torch", "auto", "contiguous"),
                 ("dense", "auto", "auto", "contiguous")]
+    if DEVICE == "cpu":
+        variants = variants[:1]
     results = gloo(1).run(hybrid_seeds_case, timeout=900, family="qwen3_5", variants=variants)
     _check(results, "qwen3_5 G=1 kernels", record_property)
