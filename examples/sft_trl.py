@@ -27,10 +27,8 @@ logged them, `tokens_per_second`, `cp_size`, `dp_size`, `eval_loss` with `--eval
 
 from __future__ import annotations
 
-import json
 import random
 import sys
-from pathlib import Path
 
 import torch
 
@@ -50,8 +48,8 @@ from shared_args import (  # same folder: the examples' argument checks
     one_line_errors,
     process_group_closed,
 )
-from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
-from trainer_packed import add_schedule_arguments, run_metrics, training_arguments  # the Trainer example, same folder
+from train_packed import tiny_config  # the main job, same folder: its model
+from trainer_packed import add_schedule_arguments, report_run, run_metrics, training_arguments  # the Trainer example, same folder
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
@@ -168,11 +166,7 @@ def main(argv=None) -> int:
     if args.eval:
         evaluated = trainer.evaluate()
         metrics.update(eval_loss=evaluated["eval_loss"], eval_tokens=evaluated["eval_tokens"])
-    if trainer.is_world_process_zero():
-        shown = {"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1)}
-        print(json.dumps({**shown, **({"eval_loss": metrics["eval_loss"]} if args.eval else {})}))
-        if args.output_dir:
-            write_outputs(Path(args.output_dir), metrics, f"SFT, dp={metrics['dp_size']} x cp={metrics['cp_size']}")
+    report_run(trainer, args, metrics, "SFT", **({"eval_loss": metrics["eval_loss"]} if args.eval else {}))
     return 0
 
 

@@ -194,11 +194,17 @@ def main(argv=None) -> int:
             print(json.dumps({"eval_loss": evaluated["eval_loss"], "eval_tokens": evaluated["eval_tokens"]}))
     if args.output_dir:
         trainer.save_model(args.output_dir)
-    if trainer.is_world_process_zero():
-        print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
-        if args.output_dir:
-            write_outputs(Path(args.output_dir), metrics, f"Trainer, dp={metrics['dp_size']} x cp={metrics['cp_size']}")
+    report_run(trainer, args, metrics, "Trainer")
     return 0
+
+
+def report_run(trainer, args, metrics: dict, what: str, **extra) -> None:
+    """Rank 0: the losses and throughput (and `extra`) as one JSON line, and the outputs of
+    `--output-dir`. Shared with the TRL example."""
+    if trainer.is_world_process_zero():
+        print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1), **extra}))
+        if args.output_dir:
+            write_outputs(Path(args.output_dir), metrics, f"{what}, dp={metrics['dp_size']} x cp={metrics['cp_size']}")
 
 
 if __name__ == "__main__":
