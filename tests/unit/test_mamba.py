@@ -98,8 +98,8 @@ def _is_mixer(module) -> bool:
     return mamba2.is_ssd_mixer(module) or mamba1.is_selective_scan_mixer(module)
 
 
-def _layers(family):
-    ref, model = build_hybrid_pair(family)
+def _layers(family, **overrides):
+    ref, model = build_hybrid_pair(family, **overrides)
     stock = [m for m in ref.modules() if _is_mixer(m)][0]
     patched = [m for m in model.modules() if _is_mixer(m)][0]
     return stock, patched
@@ -113,6 +113,11 @@ def _inputs(hidden_size):
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES + MAMBA1_FAMILIES)
 def test_packed_layer_equals_each_document_alone(family):
     check_layer_per_document(*_layers(family), LENGTHS)
+
+
+def test_falcon_h1_with_its_gated_norm_equals_each_document_alone():
+    """FalconH1's other output path: the gated RMS norm (`mamba_rms_norm`) instead of the SiLU gate."""
+    check_layer_per_document(*_layers("falcon_h1", mamba_rms_norm=True), LENGTHS)
 
 
 def _scan_out(layer, x, conv_runs: MixerRuns, scan_runs: MixerRuns):
