@@ -32,11 +32,11 @@ from .registry import ModelPatch, register_patch
 MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
 _ATTRIBUTES = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
                "ssm_state_size", "chunk_size", "time_step_limit", "intermediate_size", "conv_dim")
-_MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba2 mixer
+_MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba mixer
 
 
 def has_mamba_layers(config) -> bool:
-    """Whether the config has Mamba2 layers (no layer types: assume so)."""
+    """Whether the config has Mamba (Mamba1 or Mamba2) layers (no layer types: assume so)."""
     layer_types = getattr(config, "layer_types", None)
     return layer_types is None or any(t in _MIXER_LAYER_TYPES for t in layer_types)
 
