@@ -158,7 +158,8 @@ def check_layer_per_document(stock, patched, lengths, tol: float = 1e-5, seed: i
     1e-3 off, so that the per-document reference discriminates."""
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
-    x, probe = (torch.randn(1, total, stock.hidden_size, generator=g) for _ in range(2))
+    width = getattr(stock, "hidden_size", None) or stock.config.hidden_size  # LFM2's ShortConv: only its config
+    x, probe = (torch.randn(1, total, width, generator=g) for _ in range(2))
     stock.zero_grad(set_to_none=True)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     ref_out = torch.cat([stock(x[:, a:b]) for a, b in zip(starts[:-1], starts[1:])], dim=1)

@@ -23,7 +23,7 @@ from hf_blockdiag_cp.mixers import MixerContext, gated_conv_mix, gated_delta_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, gated_delta, kda, lfm2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import CONV_FAMILIES, KDA_FAMILIES, build_hybrid_pair
-from helpers.reference import rel_err
+from helpers.reference import check_layer_per_document, rel_err
 
 LENGTHS = (70, 45)  # the first document spans two 64-token chunks of the KDA rule
 FAMILIES = CONV_FAMILIES + KDA_FAMILIES
@@ -41,9 +41,8 @@ def _layers(family):
     return [m for m in ref.modules() if pick(m)][0], [m for m in model.modules() if pick(m)][0]
 
 
-def _inputs(hidden_size):
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(1, sum(LENGTHS), hidden_size, generator=g), torch.randn(1, sum(LENGTHS), hidden_size, generator=g)
+def _hidden(hidden_size):
+    return torch.randn(1, sum(LENGTHS), hidden_size, generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -55,22 +54,7 @@ def test_each_family_gets_its_patch(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_layer_equals_each_document_alone(family):
-    stock, patched = _layers(family)
-    x, probe = _inputs(stock.out_proj.out_features if family in CONV_FAMILIES else stock.hidden_size)
-    outs, start = [], 0
-    for n in LENGTHS:
-        outs.append(stock(hidden_states=x[:, start : start + n]))
-        start += n
-    ref_out = torch.cat(outs, dim=1)
-    (ref_out * probe).sum().backward()
-    ref_grads = {n: p.grad.clone() for n, p in stock.named_parameters()}
-    out = patched(hidden_states=x, cu_seq_lens_q=torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32))
-    (out * probe).sum().backward()
-    assert rel_err(out.detach(), ref_out.detach()) <= 1e-5
-    for name, p in patched.named_parameters():
-        assert rel_err(p.grad, ref_grads[name]) <= 1e-5, name
-    with torch.no_grad():
-        assert rel_err(stock(hidden_states=x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
+    check_layer_per_document(*_layers(family), LENGTHS)
 
 
 def _runs():
@@ -82,7 +66,7 @@ def _runs():
 @pytest.mark.parametrize("family", CONV_FAMILIES)
 def test_conv_reference_catches_a_crossing_convolution(family):
     _, layer = _layers(family)
-    x, _ = _inputs(layer.out_proj.out_features)
+    x = _hidden(layer.config.hidden_size)
     split, whole = _runs()
     spec = lfm2.mixer_layer(layer)
     with torch.no_grad():
@@ -110,7 +94,7 @@ def _kda_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
 @pytest.mark.parametrize("family", KDA_FAMILIES)
 def test_kda_reference_catches_a_crossing_convolution_or_state(family):
     _, layer = _layers(family)
-    x, _ = _inputs(layer.hidden_size)
+    x = _hidden(layer.hidden_size)
     split, whole = _runs()
     with torch.no_grad():
         exact = _kda_out(layer, x, split, split)
