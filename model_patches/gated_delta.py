@@ -138,11 +138,9 @@ def apply(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "visual") and hasattr(module, "language_model"):
             module.register_forward_pre_hook(_refuse_vision_in_step, with_kwargs=True)
-    if install(model, is_gated_delta_net, packed_forward, check=_torch_rule) == 0:
-        raise RuntimeError(
-            f"model_patches.gated_delta: no GatedDeltaNet layer with {', '.join(_PARAMETERS)}, a gated norm and an "
-            f"output projection found in {type(model).__name__}"
-        )
+    install(model, is_gated_delta_net, packed_forward,
+            f"model_patches.gated_delta: no GatedDeltaNet layer with {', '.join(_PARAMETERS)}, a gated norm and an output projection",
+            check=_torch_rule)
 
 
 PATCH = register_patch(

@@ -118,8 +118,7 @@ def packed_forward(self, hidden_states, *args, **kwargs):
 
 
 def apply(model: torch.nn.Module) -> None:
-    if install(model, is_kda_layer, packed_forward, check=_torch_rule) == 0:
-        raise RuntimeError(f"model_patches.kda: no KDA DeltaAttention layer found in {type(model).__name__}")
+    install(model, is_kda_layer, packed_forward, "model_patches.kda: no KDA DeltaAttention layer", check=_torch_rule)
 
 
 PATCH = register_patch(

@@ -58,8 +58,7 @@ def packed_forward(self, hidden_states, *args, **kwargs):
 
 
 def apply(model: torch.nn.Module) -> None:
-    if install(model, is_short_conv, packed_forward) == 0:
-        raise RuntimeError(f"model_patches.lfm2: no ShortConv layer with conv, in_proj and out_proj in {type(model).__name__}")
+    install(model, is_short_conv, packed_forward, "model_patches.lfm2: no ShortConv layer with conv, in_proj and out_proj")
 
 
 PATCH = register_patch(

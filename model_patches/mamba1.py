@@ -87,10 +87,8 @@ def packed_forward(self, hidden_states, *args, **kwargs):
 
 
 def apply(model: torch.nn.Module) -> None:
-    if install(model, is_selective_scan_mixer, packed_forward, check=_torch_scan) == 0:
-        raise RuntimeError(
-            f"model_patches.mamba1: no Mamba1 mixer with {', '.join(_ATTRIBUTES)} found in {type(model).__name__}"
-        )
+    install(model, is_selective_scan_mixer, packed_forward,
+            f"model_patches.mamba1: no Mamba1 mixer with {', '.join(_ATTRIBUTES)}", check=_torch_scan)
 
 
 PATCH = register_patch(

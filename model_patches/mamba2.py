@@ -97,10 +97,8 @@ def packed_forward(self, hidden_states, *args, **kwargs):
 
 
 def apply(model: torch.nn.Module) -> None:
-    if install(model, is_ssd_mixer, packed_forward, check=_torch_scan) == 0:
-        raise RuntimeError(
-            f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)} found in {type(model).__name__}"
-        )
+    install(model, is_ssd_mixer, packed_forward, f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)}",
+            check=_torch_scan)
 
 
 PATCH = register_patch(

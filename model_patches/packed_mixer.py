@@ -71,10 +71,12 @@ def mixer_context(module, step, kwargs, rows: int) -> MixerContext:
 
 
 def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool], forward: Callable,
-            check: Callable[[torch.nn.Module], object] | None = None) -> int:
+            missing: str, check: Callable[[torch.nn.Module], object] | None = None) -> None:
     """Bind `forward` on every module of `model` that `is_layer` accepts (after `check(module)`, which
-    raises now rather than at the first step); returns how many. In a model whose layers are all
-    token mixers (Mamba, Mamba2) the mixers tell the step that no attention call comes."""
+    raises now rather than at the first step); none found raises "`missing` found in <model class>"
+    (a patch of this model's type that finds nothing to patch must not pass silently). In a model
+    whose layers are all token mixers (Mamba, Mamba2) the mixers tell the step that no attention
+    call comes."""
     layer_types = getattr(getattr(model, "config", None), "layer_types", None)
     attention_free = bool(layer_types) and all(t == "linear_attention" for t in layer_types)
     patched = 0
@@ -85,7 +87,8 @@ def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool],
             module.forward = types.MethodType(forward, module)
             setattr(module, ATTENTION_FREE_ATTR, attention_free)
             patched += 1
-    return patched
+    if patched == 0:
+        raise RuntimeError(f"{missing} found in {type(model).__name__}")
 
 
 @contextlib.contextmanager

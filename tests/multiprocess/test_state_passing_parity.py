@@ -43,10 +43,12 @@ def _run(model, batch, group, strategy, checkpointing, config=CONFIG):
 def parity_case(rank, world_size, group, family):
     """Worst relative error of every variant, and what the token mixers ran."""
     ref, model = build_hybrid_pair(family)
-    results = {}
-    for pack, strategy, checkpointing in VARIANTS:
+    results, references = {}, {}
+    for pack, strategy, checkpointing in VARIANTS[: 2 if world_size == 1 else None]:  # one rank holds more than padding
         docs, batch = long_pack(world_size) if pack == "long" else make_pack(pack, world_size)
-        ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+        if pack not in references:  # the variants of one pack share its reference
+            references[pack] = reference_loss_and_grads(ref, docs)
+        ref_loss, ref_grads = references[pack]
         trained, loss, mixers = _run(model, batch, group, strategy, checkpointing)
         errors = compare_with_reference(trained, ref_loss, ref_grads, loss, group, world_size)
         # (Zamba2's adapters of other layers have no gradient in the stock model either)

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -119,3 +121,12 @@ def test_kda_layer_shape_counts_its_per_channel_gate():
     _, olmo = build_hybrid_pair("olmo_hybrid")
     gdn = gated_delta.mixer_layer(next(m for m in olmo.modules() if gated_delta.is_gated_delta_net(m)))
     assert gdn.shape(2).input_channels == 2 * gdn.key_heads * gdn.key_dim + gdn.value_heads * gdn.value_dim + 2 * gdn.value_heads
+
+
+@pytest.mark.parametrize("patch", ["gated_delta", "kda", "lfm2", "mamba1", "mamba2"])
+def test_a_mixer_patch_that_finds_no_layer_raises_naming_it(patch):
+    """Every mixer patch: a model whose type names the patch but that holds none of its layers (a
+    renamed upstream class, say) must not train on the stock, document-crossing mixer silently."""
+    module = importlib.import_module(f"hf_blockdiag_cp.model_patches.{patch}")
+    with pytest.raises(RuntimeError, match=rf"model_patches\.{patch}: no .* found in Sequential"):
+        module.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)))
