@@ -192,7 +192,7 @@ def fla_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, output
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=table.cu_seqlens,
         cu_seqlens_cpu=table.runs.boundaries,
     )
-    return out[0] * table.row_is_document[:, None, None].to(out.dtype), final
+    return table.only_documents(out[0], final)
 
 
 FLA = register_mixer_kernel(MixerKernelRecord("fla", "gated_delta_rule", fla_delta_rule, fla_check, auto_priority=0))

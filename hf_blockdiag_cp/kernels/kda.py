@@ -44,7 +44,7 @@ def fla_kda(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_
         q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=initial_state,
         output_final_state=output_final_state, use_qk_l2norm_in_kernel=True, cu_seqlens=table.cu_seqlens,
     )
-    return out[0] * table.row_is_document[:, None, None].to(out.dtype), final
+    return table.only_documents(out[0], final)
 
 
 FLA = register_mixer_kernel(MixerKernelRecord("fla", "kda", fla_kda, fla_kda_check, auto_priority=0))

@@ -37,18 +37,28 @@ class MixerDims:
 @dataclass(eq=False)
 class RunTable:
     """`MixerRuns` on the compute device, built once per step per set of runs: `cu_seqlens [n + 1]`
-    (int64), `row_is_document [rows]` (bool), and a per-kernel cache of what a kernel derives from the
+    (int64), `row_is_document [rows]` and `run_is_document [n]` (bool), and a per-kernel cache of what a kernel derives from the
     runs (the torch delta rule's gather plan), so recompute and every layer reuse it."""
 
     runs: MixerRuns
     cu_seqlens: torch.Tensor
     row_is_document: torch.Tensor
+    run_is_document: torch.Tensor
     cache: dict = field(default_factory=dict, repr=False)
 
     @staticmethod
     def build(runs: MixerRuns, device) -> "RunTable":
         return RunTable(runs, runs.boundaries.to(device, non_blocking=True),
-                        runs.row_is_document.to(device, non_blocking=True))
+                        runs.row_is_document.to(device, non_blocking=True),
+                        runs.is_document.to(device, non_blocking=True))
+
+    def only_documents(self, out: torch.Tensor, final: torch.Tensor | None):
+        """A fast kernel's `(out [rows, ...], final [n, ...] | None)` with padding runs' rows and states
+        zeroed, as the contract asks: a varlen kernel runs padding runs like documents."""
+        out = out * self.row_is_document.view(-1, *[1] * (out.ndim - 1)).to(out.dtype)
+        if final is not None:
+            final = final * self.run_is_document.view(-1, *[1] * (final.ndim - 1)).to(final.dtype)
+        return out, final
 
     @property
     def num_rows(self) -> int:
