@@ -188,16 +188,16 @@ def _tiny_mixer_config(family: str, **overrides):
     Kimi Linear, Bailing-Hybrid: 4 layers, KDA / MLA attention alternating, 2 KDA heads of dim 8,
     a sparse MoE after the first layer; Bailing-Hybrid with its default bounded ("safe") gate.
     `overrides` go to the config's constructor (its derived sizes follow them)."""
-    from transformers import BailingHybridConfig, KimiLinearConfig, Lfm2Config, Lfm2MoeConfig
+    import transformers  # each config looked up when used: older Transformers lack Bailing-Hybrid
 
     b = dict(_BASE, num_hidden_layers=4)
     if family in CONV_FAMILIES:
         b.pop("head_dim")
         conv = dict(layer_types=["conv", "full_attention", "conv", "full_attention"], conv_L_cache=4, conv_bias=True)
         if family == "lfm2":
-            return Lfm2Config(**{**b, **conv, "block_auto_adjust_ff_dim": False, **overrides})
+            return transformers.Lfm2Config(**{**b, **conv, "block_auto_adjust_ff_dim": False, **overrides})
         moe = dict(moe_intermediate_size=16, num_dense_layers=1, num_experts=4, num_experts_per_tok=2)
-        return Lfm2MoeConfig(**{**b, **conv, **moe, **overrides})
+        return transformers.Lfm2MoeConfig(**{**b, **conv, **moe, **overrides})
     for key in ("head_dim", "num_key_value_heads"):
         b.pop(key)
     mla = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
@@ -205,8 +205,8 @@ def _tiny_mixer_config(family: str, **overrides):
                layer_types=HYBRID_LAYERS, mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=2,
                linear_head_dim=8, linear_conv_kernel_dim=4)
     if family == "kimi_linear":
-        return KimiLinearConfig(**{**b, **mla, **overrides})
-    return BailingHybridConfig(**{**b, **mla, "head_dim": 12, "num_nextn_predict_layers": 0, **overrides})
+        return transformers.KimiLinearConfig(**{**b, **mla, **overrides})
+    return transformers.BailingHybridConfig(**{**b, **mla, "head_dim": 12, "num_nextn_predict_layers": 0, **overrides})
 
 
 def slow_decays(model) -> None:

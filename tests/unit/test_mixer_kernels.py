@@ -140,3 +140,20 @@ def test_padding_runs_give_zero_outputs():
     assert torch.equal(out[5:8], torch.zeros_like(out[5:8])) and out[:5].abs().sum() > 0
     x = torch.randn(12, 3, dtype=torch.float64)
     assert F.silu(torch.zeros(1)).item() == 0.0 and torch_short_conv(x, torch.ones(3, 2, dtype=torch.float64), None, None, table)[5].abs().sum() > 0
+
+
+def test_a_varlen_kernel_run_over_padding_keeps_the_contract_through_only_documents():
+    """fla runs a padding run like a document; `RunTable.only_documents` must bring its outputs and
+    final states to the torch kernel's (zero on padding runs), or a loss on final states sends
+    gradients into padding rows (the key-gradient error docs/models.md records)."""
+    lengths, documents = [5, 3, 4], [True, False, True]
+    q, k, v, decay, beta = _inputs(12, 2)
+    state = torch.randn(3, HV, DK, DV, dtype=torch.float64)
+    as_documents = torch_delta_rule(q, k, v, decay, beta, _table(lengths), state, True, RULE)
+    assert as_documents[1][1].abs().sum() > 0  # the padding run's state, as a varlen kernel leaves it
+    padded = _table(lengths, documents)
+    out, final = padded.only_documents(*as_documents)
+    expected_out, expected_final = torch_delta_rule(q, k, v, decay, beta, padded, state, True, RULE)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(final, expected_final.to(final.dtype))
+    assert torch.equal(final[1], torch.zeros_like(final[1]))
