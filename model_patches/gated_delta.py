@@ -28,7 +28,7 @@ import torch
 from hf_blockdiag_cp.mixers import GatedDeltaLayer, HeadDecay, gated_delta_mix
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-from .packed_mixer import install, mixer_context, packed_rows, stock_torch_kernels  # noqa: F401 (re-exported)
+from .packed_mixer import install, mix_documents, packed_forward, stock_torch_kernels  # noqa: F401 (re-exported)
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
@@ -99,23 +99,17 @@ def _project(module, hidden: torch.Tensor):
 # --------------------------------------------------------------------------- the patched forward
 
 
-@torch.compiler.disable
-def mix_documents(layer_of, module, step, kwargs, rows: int, mixed, b, a) -> torch.Tensor:
-    """The delta-rule mixer over the pack's documents, for the layer record `layer_of(module)`: eager,
-    a graph break under `torch.compile`, so the pack's runs and the step stay out of compiled graphs
-    (no recompile per pack)."""
-    return gated_delta_mix(layer_of(module), mixed, b, a, mixer_context(module, step, kwargs, rows))
+def delta_rule_documents(module, mixed, b, a, context) -> torch.Tensor:
+    """The delta-rule mixer of `module` (its `mixer_layer`) over the pack's documents."""
+    return gated_delta_mix(mixer_layer(module), mixed, b, a, context)
 
 
-def packed_forward(self, hidden_states, *args, **kwargs):
+@packed_forward
+def forward_packed(self, step, x, kwargs):
     """GatedDeltaNet forward that keeps the documents of a packed row apart (see the module docstring)."""
-    entry = packed_rows(self, hidden_states, args, kwargs)
-    if entry is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    step, x = entry
     rows = x.shape[0]
     mixed, z, b, a = _project(self, x)
-    core = mix_documents(mixer_layer, self, step, kwargs, rows, mixed, b, a)
+    core = mix_documents(delta_rule_documents, self, step, kwargs, rows, mixed, b, a)
     norm, out_proj = _norm_and_out(self)
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return out_proj(core.reshape(1, rows, -1))
@@ -138,7 +132,7 @@ def apply(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "visual") and hasattr(module, "language_model"):
             module.register_forward_pre_hook(_refuse_vision_in_step, with_kwargs=True)
-    install(model, is_gated_delta_net, packed_forward,
+    install(model, is_gated_delta_net, forward_packed,
             f"model_patches.gated_delta: no GatedDeltaNet layer with {', '.join(_PARAMETERS)}, a gated norm and an output projection",
             check=_torch_rule)
 

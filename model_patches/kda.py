@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hf_blockdiag_cp.mixers import GatedDeltaLayer
+from hf_blockdiag_cp.mixers import GatedDeltaLayer, gated_delta_mix
 
-from .gated_delta import family_function, has_linear_layers, mix_documents
-from .packed_mixer import install, packed_rows
+from .gated_delta import family_function, has_linear_layers
+from .packed_mixer import install, mix_documents, packed_forward
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("kimi_linear", "bailing_hybrid")
@@ -105,20 +105,22 @@ def _project(module, x: torch.Tensor):
     return mixed, out_gate.view(x.shape[0], -1, module.head_dim), module.b_proj(x), a
 
 
-def packed_forward(self, hidden_states, *args, **kwargs):
+def kda_documents(module, mixed, b, a, context) -> torch.Tensor:
+    """The KDA mixer of `module` (its `mixer_layer`) over the pack's documents."""
+    return gated_delta_mix(mixer_layer(module), mixed, b, a, context)
+
+
+@packed_forward
+def forward_packed(self, step, x, kwargs):
     """DeltaAttention forward that keeps the documents of a packed row apart (see the module docstring)."""
-    entry = packed_rows(self, hidden_states, args, kwargs)
-    if entry is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    step, x = entry
     rows = x.shape[0]
     mixed, out_gate, b, a = _project(self, x)
-    core = mix_documents(mixer_layer, self, step, kwargs, rows, mixed, b, a)
+    core = mix_documents(kda_documents, self, step, kwargs, rows, mixed, b, a)
     return self.o_proj(self.o_norm(core[None], out_gate[None]).reshape(1, rows, -1))
 
 
 def apply(model: torch.nn.Module) -> None:
-    install(model, is_kda_layer, packed_forward, "model_patches.kda: no KDA DeltaAttention layer", check=_torch_rule)
+    install(model, is_kda_layer, forward_packed, "model_patches.kda: no KDA DeltaAttention layer", check=_torch_rule)
 
 
 PATCH = register_patch(

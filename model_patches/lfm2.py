@@ -18,7 +18,7 @@ import torch
 
 from hf_blockdiag_cp.mixers import GatedConvLayer, gated_conv_mix
 
-from .packed_mixer import install, mixer_context, packed_rows
+from .packed_mixer import install, mix_documents, packed_forward
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("lfm2", "lfm2_moe")
@@ -40,25 +40,21 @@ def mixer_layer(module) -> GatedConvLayer:
                           module.conv.bias)
 
 
-@torch.compiler.disable
-def _mix_documents(module, step, kwargs, x: torch.Tensor) -> torch.Tensor:
-    """The convolution over the pack's documents: eager, a graph break under `torch.compile`."""
-    return gated_conv_mix(mixer_layer(module), x, mixer_context(module, step, kwargs, x.shape[0]))
+def conv_documents(module, x, context) -> torch.Tensor:
+    """The convolution of `module` (its `mixer_layer`) over the pack's documents."""
+    return gated_conv_mix(mixer_layer(module), x, context)
 
 
-def packed_forward(self, hidden_states, *args, **kwargs):
+@packed_forward
+def forward_packed(self, step, x, kwargs):
     """ShortConv forward that keeps the documents of a packed row apart (see the module docstring)."""
-    entry = packed_rows(self, hidden_states, args, kwargs)
-    if entry is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    step, x = entry
     gate_in, gate_out, values = self.in_proj(x).chunk(3, dim=-1)
-    mixed = _mix_documents(self, step, kwargs, gate_in * values)
+    mixed = mix_documents(conv_documents, self, step, kwargs, x.shape[0], gate_in * values)
     return self.out_proj(gate_out * mixed)[None]
 
 
 def apply(model: torch.nn.Module) -> None:
-    install(model, is_short_conv, packed_forward, "model_patches.lfm2: no ShortConv layer with conv, in_proj and out_proj")
+    install(model, is_short_conv, forward_packed, "model_patches.lfm2: no ShortConv layer with conv, in_proj and out_proj")
 
 
 PATCH = register_patch(

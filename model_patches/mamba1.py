@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from hf_blockdiag_cp.mixers.selective_scan import SelectiveScanLayer, selective_scan_mix
 from .gated_delta import family_function
 from .mamba2 import has_mamba_layers
-from .packed_mixer import install, mixer_context, packed_rows
+from .packed_mixer import install, mix_documents, packed_forward
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
@@ -66,28 +66,22 @@ def _time_step_b_c(module, xc: torch.Tensor):
     return dt[0], B[0], C[0]
 
 
-@torch.compiler.disable
-def _mix_documents(module, step, kwargs, rows: int, x) -> torch.Tensor:
-    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
-    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
-    project = lambda xc: _time_step_b_c(module, xc)  # noqa: E731
-    return selective_scan_mix(mixer_layer(module), x, project, mixer_context(module, step, kwargs, rows))
+def scan_documents(module, x, context) -> torch.Tensor:
+    """The convolution and selective scan of `module` (its `mixer_layer`) over the pack's documents."""
+    return selective_scan_mix(mixer_layer(module), x, lambda xc: _time_step_b_c(module, xc), context)
 
 
-def packed_forward(self, hidden_states, *args, **kwargs):
+@packed_forward
+def forward_packed(self, step, x, kwargs):
     """Mamba1 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
-    entry = packed_rows(self, hidden_states, args, kwargs)
-    if entry is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    step, x = entry
-    rows, dtype = x.shape[0], hidden_states.dtype
+    rows, dtype = x.shape[0], x.dtype
     x, gate = self.in_proj(x[None])[0].chunk(2, dim=-1)
-    scan = _mix_documents(self, step, kwargs, rows, x) * F.silu(gate)
+    scan = mix_documents(scan_documents, self, step, kwargs, rows, x) * F.silu(gate)
     return self.out_proj(scan[None].to(dtype))
 
 
 def apply(model: torch.nn.Module) -> None:
-    install(model, is_selective_scan_mixer, packed_forward,
+    install(model, is_selective_scan_mixer, forward_packed,
             f"model_patches.mamba1: no Mamba1 mixer with {', '.join(_ATTRIBUTES)}", check=_torch_scan)
 
 

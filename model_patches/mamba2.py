@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hf_blockdiag_cp.mixers.ssd import SsdLayer, ssd_mix
 
 from .gated_delta import family_function
-from .packed_mixer import install, mixer_context, packed_rows
+from .packed_mixer import install, mix_documents, packed_forward
 from .registry import ModelPatch, register_patch
 
 MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
@@ -73,22 +73,17 @@ def _project(module, hidden: torch.Tensor):
     return projected[0].split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
 
 
-@torch.compiler.disable
-def _mix_documents(module, step, kwargs, rows: int, xbc, dt) -> torch.Tensor:
-    """The token mixer over the pack's documents: eager, a graph break under `torch.compile`, so the
-    pack's runs and the step stay out of compiled graphs (no recompile per pack)."""
-    return ssd_mix(mixer_layer(module), xbc, dt, mixer_context(module, step, kwargs, rows))
+def scan_documents(module, xbc, dt, context) -> torch.Tensor:
+    """The convolution and SSD scan of `module` (its `mixer_layer`) over the pack's documents."""
+    return ssd_mix(mixer_layer(module), xbc, dt, context)
 
 
-def packed_forward(self, hidden_states, *args, **kwargs):
+@packed_forward
+def forward_packed(self, step, x, kwargs):
     """Mamba2 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
-    entry = packed_rows(self, hidden_states, args, kwargs)
-    if entry is None:
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    step, x = entry
-    rows, dtype = x.shape[0], hidden_states.dtype
+    rows, dtype = x.shape[0], x.dtype
     gate, xbc, dt = _project(self, x)
-    scan = _mix_documents(self, step, kwargs, rows, xbc, dt).reshape(1, rows, -1)
+    scan = mix_documents(scan_documents, self, step, kwargs, rows, xbc, dt).reshape(1, rows, -1)
     if getattr(self, "mamba_rms_norm", True):
         scan = self.norm(scan, gate[None])
     else:  # FalconH1 without its gated norm
@@ -97,7 +92,7 @@ def packed_forward(self, hidden_states, *args, **kwargs):
 
 
 def apply(model: torch.nn.Module) -> None:
-    install(model, is_ssd_mixer, packed_forward, f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)}",
+    install(model, is_ssd_mixer, forward_packed, f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)}",
             check=_torch_scan)
 
 

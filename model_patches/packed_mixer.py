@@ -11,6 +11,7 @@ forward does, and mixes per document in the step's `MixerContext`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import types
@@ -68,6 +69,29 @@ def mixer_context(module, step, kwargs, rows: int) -> MixerContext:
             "feed the local batch returned by make_cp_blockdiag_batch_and_ctx"
         )
     return MixerContext.from_step(step)
+
+
+@torch.compiler.disable
+def mix_documents(mix: Callable, module, step, kwargs, rows: int, *inputs) -> torch.Tensor:
+    """`mix(module, *inputs, context)`: the token mixer over the pack's documents in the step's context
+    (`mixer_context`). Eager, a graph break under `torch.compile`, so the pack's runs and the step stay
+    out of compiled graphs (no recompile per pack)."""
+    return mix(module, *inputs, mixer_context(module, step, kwargs, rows))
+
+
+def packed_forward(mix_rows: Callable) -> Callable:
+    """A mixer layer's patched forward from `mix_rows(module, step, rows [L, D], kwargs) -> [1, L, D]`,
+    which runs where the packed path does (`packed_rows`); the stock forward runs elsewhere."""
+
+    @functools.wraps(mix_rows)
+    def forward(self, hidden_states, *args, **kwargs):
+        entry = packed_rows(self, hidden_states, args, kwargs)
+        if entry is None:
+            return type(self).forward(self, hidden_states, *args, **kwargs)
+        step, rows = entry
+        return mix_rows(self, step, rows, kwargs)
+
+    return forward
 
 
 def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool], forward: Callable,
