@@ -179,6 +179,9 @@ def _check(results, what, record_property) -> None:
         cells = ", ".join(f"{g} {ours[g]:.2e}/{stock[g]:.2e} ({ours[g] / stock[g]:.2f}x, larger in {worse[g]}/{len(SEEDS)})"
                           for g in GROUPS if g in ours)
         line = f"{what} {variant}: median over {len(SEEDS)} seeds ours/stock: {cells}; loss {ours['loss']:.1e} | {ran[variant]}"
+        if "decay" in ours:  # the spread that tells noise from a bias, seed by seed
+            line += "\n  decay per seed ours/stock: " + ", ".join(
+                f"{o['decay']:.1e}/{s['decay']:.1e}" for o, s in zip(per_seed, per_variant["stock"]))
         print(line)
         record_property(f"{what} {variant}", line)
         failures += [f"{variant} {g}: {ours[g]:.2e} > {GRAD_FACTOR} x {stock[g]:.2e}"
