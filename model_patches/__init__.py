@@ -12,11 +12,12 @@ Qwen2.5-VL text stack sharded after full-pack embeddings and mRoPE positions), `
 or state passing under CP), `kda` (Kimi Linear, Bailing-Hybrid KDA layers, on the same mixer),
 `lfm2` (LFM2, LFM2-MoE short gated convolutions; state passing),
 `mamba2` (Mamba2, NemotronH, GraniteMoeHybrid, Bamba, FalconH1, Zamba2 SSD layers; state passing),
-`mamba1` (Mamba, FalconMamba, Jamba selective-scan layers; state passing);
+`mamba1` (Mamba, FalconMamba, Jamba selective-scan layers; state passing),
+`minimax` (MiniMax lightning-attention layers; state passing);
 `packed_mixer` holds what those token-mixer patches share.
 """
 
-from . import gated_delta, kda, lfm2, mamba1, mamba2, phi3, qwen2_vl  # noqa: F401  (registration)
+from . import gated_delta, kda, lfm2, mamba1, mamba2, minimax, phi3, qwen2_vl  # noqa: F401  (registration)
 from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
 from .unsupported import UNSUPPORTED_MODEL_TYPES
 

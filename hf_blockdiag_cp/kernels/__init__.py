@@ -9,10 +9,11 @@ one module that registers its record, plus its tests.
 Recurrent token mixers have their own records (`mixer_registry.MixerKernelRecord`): the gated
 delta rule (`delta_rule`) and the short convolution (`short_conv`), each in torch and fla,
 Mamba2's SSD scan (`ssd`) in torch (mamba-ssm refused until verified), Mamba1's selective scan
-(`selective_scan`) in torch, and KDA (`kda`) in torch (fla's chunk_kda refused until verified).
+(`selective_scan`) in torch, KDA (`kda`) in torch (fla's chunk_kda refused until verified), and
+MiniMax's lightning attention (`lightning`) in torch.
 """
 
-from . import delta_rule, dense, fa4, flash, flex, kda, selective_scan, short_conv, ssd, te, varlen  # noqa: F401  (each registers its record)
+from . import delta_rule, dense, fa4, flash, flex, kda, lightning, selective_scan, short_conv, ssd, te, varlen  # noqa: F401  (each registers its record)
 from .mixer_registry import (
     MIXER_OPS,
     MixerDims,

@@ -3,7 +3,8 @@
 The operations (`MIXER_OPS`) are what hybrid models' linear-attention layers run per document:
 `gated_delta_rule` (the chunked gated delta rule of Qwen3.5 / Qwen3-Next), `kda` (Kimi Linear's
 delta rule with a decay per key channel, same signature), `short_conv` (their depthwise causal
-convolution), `ssd_scan` (Mamba2's chunked SSD scan) and `selective_scan` (Mamba1's). Every kernel
+convolution), `ssd_scan` (Mamba2's chunked SSD scan), `selective_scan` (Mamba1's) and
+`lightning_attention` (MiniMax's linear attention with a constant decay per head). Every kernel
 of an operation runs over a `RunTable`: the runs it restarts at (documents, padding, or pieces of
 documents under state passing) on the device. A kernel module builds its `MixerKernelRecord` and
 registers it; `auto` takes, by `auto_priority`, the first whose `check` passes for the call: a fast
@@ -20,7 +21,7 @@ import torch
 
 from ..planning.mixer_plan import MixerRuns
 
-MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "selective_scan", "kda")
+MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "selective_scan", "kda", "lightning_attention")
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ class MixerKernelRecord:
     `short_conv`, `fn(x [T, C], weight [C, W], bias, activation, table) -> [T, C]`, the window
     restarted at every run; for `ssd_scan`, `fn(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], D,
     table, initial_state, output_final_state, torch_scan, chunk_size) -> (y, final [n, H, P, N] | None)`;
-    for `selective_scan`, the same without `chunk_size` over x, dt `[T, Dc]`, A `[Dc, N]`, B, C `[T, N]`.
+    for `selective_scan`, the same without `chunk_size` over x, dt `[T, Dc]`, A `[Dc, N]`, B, C `[T, N]`;
+    for `lightning_attention`, `fn(q [T, H, Dk], k, v [T, H, Dv], slope [H], table, initial_state
+    [n, H, Dk, Dv] | None, output_final_state, block_size) -> (out [T, H, Dv], final | None)`.
     `check(device, dtype, dims)` says why it cannot run a call (None: it can): a fast kernel
     refuses wherever it was not verified. `auto_priority`: lower first; None: only when named.
     """

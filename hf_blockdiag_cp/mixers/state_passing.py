@@ -13,9 +13,10 @@ transition pass over the carried runs (values zero, the identity as initial stat
 is P, its output the coefficients of the start state in each row's output). For Mamba2's SSD scan
 P is a scalar decay per head, exp(sum dt·A), and a row's contribution C_t·S_start decayed to t,
 computed directly; for Mamba1's selective scan P is a decay per channel and state entry, exp(A·sum
-dt), and the contribution likewise (`_decay_with_states`). Every step is differentiable, so
+dt), and the contribution likewise (`_decay_with_states`); for MiniMax's lightning attention P is
+λ^n per head, a constant decay. Every step is differentiable, so
 backward passes state gradients back the same way (reduce-scatter). Every rank issues the same two
-all-gathers per layer whatever its rows hold, and `comm.blocks.after` ties each layer's second
+all-gathers per layer (one in a layer without a convolution) whatever its rows hold, and `comm.blocks.after` ties each layer's second
 gather to its first, so their backwards run in the same order on every rank (I5).
 """
 
@@ -217,6 +218,26 @@ def selective_scan_with_states(ctx: MixerContext, kernel: MixerKernelRecord, x, 
 
     log_decay = dt.index_select(0, rows).float()[:, :, None] * A.float()  # [R, Dc, N], as the torch scan
     return _decay_with_states(ctx, out, final, log_decay, contribution, order_after)
+
+
+def lightning_with_states(ctx: MixerContext, kernel: MixerKernelRecord, q, k, v, slope, block_size: int):
+    """This rank's rows of MiniMax's lightning attention over documents spread across ranks -> `[L, H, Dv]`.
+    q, k `[L, H, Dk]`, v `[L, H, Dv]`, slope `[H]`. The transition of a run of n rows is λ^n per head
+    (λ = exp(-slope)), and a start state S adds λ^(t+1)·q_t·S to its row t (counted from the run's
+    start). The layer has no earlier collective: the state gather is ordered after `q`, which every rank
+    trains through, so a rank whose runs are all padding (no final state with a gradient) still runs
+    the gather's backward."""
+    states = _states(ctx, q.device)
+    local = ctx.table("local_runs", lambda: states.plan.runs, q.device)
+    out, final = kernel.fn(q, k, v, slope, local, None, True, block_size)
+    rows = states.carried_rows
+    q_rows = q.index_select(0, rows).float()
+
+    def contribution(span, decay, state):
+        return torch.einsum("thk,hkv->thv", q_rows[span[0] : span[1]], state) * decay[..., None]
+
+    log_decay = (-slope.detach().float()).expand(rows.numel(), -1)  # [R, H]
+    return _decay_with_states(ctx, out, final, log_decay, contribution, q)
 
 
 def _add_rows(out, rows, added):

@@ -158,6 +158,8 @@ def tiny_hybrid_config(family: str, **overrides):
         return tiny_mamba2_config(family, **overrides)
     if family in MAMBA1_FAMILIES:
         return tiny_mamba1_config(family, **overrides)
+    if family in LIGHTNING_FAMILIES:
+        return tiny_lightning_config(family, **overrides)
     b = dict(
         _BASE, num_hidden_layers=4, layer_types=HYBRID_LAYERS, linear_conv_kernel_dim=4, linear_key_head_dim=4,
         linear_value_head_dim=6, linear_num_key_heads=HYBRID_KEY_HEADS, linear_num_value_heads=2 * HYBRID_KEY_HEADS,
@@ -332,3 +334,23 @@ def tiny_mamba1_config(family: str, **overrides):
         raise ValueError(family)
     return getattr(transformers, name)(**dict(kwargs, **overrides))
 
+
+
+# --------------------------------------------------------------------------- lightning attention (MiniMax)
+
+LIGHTNING_FAMILIES = ("minimax",)
+LIGHTNING_BLOCK = 16  # rows per block of the lightning attention: the long pack's documents cross many
+
+
+def tiny_lightning_config(family: str, **overrides):
+    """MiniMax: 4 layers, lightning / full attention alternating, 4 heads of dim 8, blocks of 16 rows;
+    its decays (fixed buffers, per head and layer) from 0.78 to 0.999 per row, so a state lasts for
+    many tokens. Every layer's MLP is a sparse MoE of 2 experts, both chosen for every token, so no
+    routing can flip between two exact computations."""
+    import transformers
+
+    if family != "minimax":
+        raise ValueError(family)
+    b = dict(_BASE, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2,
+             block_size=LIGHTNING_BLOCK, num_local_experts=2, num_experts_per_tok=2)
+    return transformers.MiniMaxConfig(**dict(b, **overrides))

@@ -1,7 +1,8 @@
 """The hybrids whose mixers cross ranks only by state passing train exactly under CP (I1, I2, I5):
 LFM2 and LFM2-MoE (short gated convolutions: the halo of kernel - 1 rows before each piece), the
-Mamba2 (SSD) ones (NemotronH, GraniteMoeHybrid, Bamba, FalconH1, Zamba2, Mamba2) and the Mamba1
-(selective-scan) ones (Jamba, FalconMamba, Mamba: the run states, and the convolution's halo).
+Mamba2 (SSD) ones (NemotronH, GraniteMoeHybrid, Bamba, FalconH1, Zamba2, Mamba2), the Mamba1
+(selective-scan) ones (Jamba, FalconMamba, Mamba: the run states, and the convolution's halo) and
+MiniMax (lightning attention: the run states, no convolution).
 
 Gloo parity: loss and every gradient at G = 1-4, against the stock model with `eager` attention
 run on each document separately. The pack holds 1-token documents and a document over three ranks
@@ -20,7 +21,7 @@ import pytest
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.planning import PAIR_COUNT
-from helpers.model_zoo import CONV_FAMILIES, MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair
+from helpers.model_zoo import CONV_FAMILIES, LIGHTNING_FAMILIES, MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair
 from helpers.packs import long_pack, make_pack
 from helpers.reference import compare_with_reference, reference_loss_and_grads
 
@@ -59,7 +60,7 @@ def parity_case(rank, world_size, group, family):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("family", CONV_FAMILIES + MAMBA2_FAMILIES + MAMBA1_FAMILIES)
+@pytest.mark.parametrize("family", CONV_FAMILIES + MAMBA2_FAMILIES + MAMBA1_FAMILIES + LIGHTNING_FAMILIES)
 def test_matches_per_document_reference(gloo, family, world_size):
     transport = "local" if world_size == 1 else "states"
     for rank, results in enumerate(gloo(world_size).run(parity_case, family=family)):
@@ -80,7 +81,8 @@ def heads_refused_case(rank, world_size, group, family):
 
 
 @pytest.mark.parametrize("family, layer, why", [("lfm2", "Lfm2ShortConv", "state passing"),
-                                                ("nemotron_h", "NemotronHMamba2Mixer", "no head-parallel transport")])
+                                                ("nemotron_h", "NemotronHMamba2Mixer", "no head-parallel transport"),
+                                                ("minimax", "MiniMaxLightningAttention", "no head-parallel transport")])
 def test_heads_transport_is_refused_on_every_rank(gloo, family, layer, why):
     for rank, message in enumerate(gloo(2).run(heads_refused_case, family=family)):
         assert message is not None, f"rank {rank} did not raise"

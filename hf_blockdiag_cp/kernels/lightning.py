@@ -1,0 +1,78 @@
+"""Kernels of MiniMax's lightning attention over the runs of a `RunTable` (`mixer_registry`, op
+`lightning_attention`).
+
+Per head h, with a constant decay λ_h = exp(-slope_h): S_t = λ_h·S_{t-1} + k_tᵀ v_t and
+o_t = q_t·S_t (no normalisation), the state zero at every run's first row unless a start state is
+given. The transition of a run of n rows is λ_h^n·I, which is what state passing composes.
+
+- `torch`: a block-wise computation (the layer's `block_size` rows at a time, as Transformers'
+  forward computes it): within a block (q kᵀ ⊙ decay) v, across blocks q·S carried from the blocks
+  before. It carries the decay as a log-decay per row, -slope on the run's rows and 0 on the zero
+  rows that pad each run to its bucket, so padding leaves the final state unchanged; runs are
+  batched as the torch delta rule batches them (`delta_rule.run_in_buckets`), so the cost grows
+  linearly with the runs. fp32 inside; outputs in the values' dtype.
+
+fla's `chunk_simple_gla` / lightning-attention kernels are not registered: none was verified on a
+GPU (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .delta_rule import run_in_buckets, torch_check
+from .mixer_registry import MixerKernelRecord, RunTable, register_mixer_kernel
+
+
+def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    """`[N, W, H, ...]` zero-padded to whole blocks -> `[N, H, blocks, block, ...]` fp32."""
+    n, width = t.shape[:2]
+    pad = -width % block
+    if pad:
+        t = F.pad(t, (0, 0) * (t.ndim - 2) + (0, pad))
+    t = t.float().reshape((n, (width + pad) // block, block) + tuple(t.shape[2:]))
+    return t.movedim(3, 1)
+
+
+def block_lightning(q, k, v, log_decay, state, block_size: int):
+    """Lightning attention over a batch of runs, each from its start state: q, k `[N, W, H, Dk]`,
+    v `[N, W, H, Dv]`, `log_decay [N, W, H]` (each row's log λ; 0 leaves the state as it is),
+    `state [N, H, Dk, Dv]` or None (zero) -> (out `[N, W, H, Dv]` fp32, final `[N, H, Dk, Dv]` fp32)."""
+    n, width, heads = q.shape[:3]
+    block = min(block_size, width)
+    qb, kb, vb = (_blocks(t, block) for t in (q, k, v))  # [N, H, B, b, D]
+    cum = _blocks(log_decay, block).cumsum(-1)  # [N, H, B, b]: log-decay from the block's start, inclusive
+    causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()
+    out = ((qb @ kb.transpose(-1, -2)) * decay) @ vb
+    last = cum[..., -1:]
+    added = (kb * (last - cum).exp()[..., None]).transpose(-1, -2) @ vb  # [N, H, B, Dk, Dv]: each block's own keys
+    carry = last[..., 0].exp()  # [N, H, B]: λ^block
+    s = q.new_zeros((n, heads, q.shape[-1], v.shape[-1]), dtype=torch.float32) if state is None else state.float()
+    starts = []
+    for b in range(added.shape[2]):
+        starts.append(s)
+        s = carry[:, :, b, None, None] * s + added[:, :, b]
+    out = out + (qb * cum.exp()[..., None]) @ torch.stack(starts, dim=2)
+    out = out.movedim(1, 3).reshape(n, -1, heads, v.shape[-1])[:, :width]
+    return out, s
+
+
+def torch_lightning_attention(q, k, v, slope, table: RunTable, initial_state=None, output_final_state=False,
+                              block_size: int = 256):
+    """`q`, `k [T, H, Dk]`, `v [T, H, Dv]`, `slope [H]` (λ = exp(-slope)) -> (out `[T, H, Dv]` in v's dtype,
+    zero on padding runs; final states `[n, H, Dk, Dv]` fp32, zero for padding runs, or None): every
+    document run of `table` from its `initial_state [n, H, Dk, Dv]` (None: zero)."""
+    log_decay = (-slope.detach().float()).expand(q.shape[0], -1)
+
+    def run(batch, state):
+        qb, kb, vb, gb = batch
+        return block_lightning(qb, kb, vb, gb, state, block_size)
+
+    return run_in_buckets(table, (q, k, v, log_decay), run, v, v.dtype, (q.shape[1], q.shape[2], v.shape[2]),
+                          initial_state, output_final_state)
+
+
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "lightning_attention", torch_lightning_attention, torch_check,
+                                                auto_priority=10))
