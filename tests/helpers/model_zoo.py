@@ -336,6 +336,37 @@ def tiny_mamba1_config(family: str, **overrides):
 
 
 
+def check_stock_outside_a_step(family: str, generate: bool = True) -> None:
+    """Outside a CP step, without packing information, the patched hybrid is the stock model: its
+    forward and (`generate`) its cached greedy generation give the same logits and tokens."""
+    ref, model = build_hybrid_pair(family)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref.eval(), model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+        if generate:
+            expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+
+
+def two_document_row() -> dict:
+    """One packed row of two documents (5 and 7 tokens) for a cp = 1 step."""
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+
+
+def step_mixers(family: str) -> str:
+    """What the patched hybrid's token mixers ran (`StepChoices.mixers`) in one cp = 1 step of
+    `two_document_row` with the torch kernels."""
+    _, model = build_hybrid_pair(family)
+    config = bdcp.CPConfig(mixer_backend="torch")
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, two_document_row(), config=config)
+    with train_ctx() as step:
+        model(**local).loss.backward()
+    return step.choices.mixers
+
+
 # --------------------------------------------------------------------------- lightning attention (MiniMax)
 
 LIGHTNING_FAMILIES = ("minimax",)

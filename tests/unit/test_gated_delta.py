@@ -26,7 +26,8 @@ from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.model_patches import gated_delta
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import (
-    CONV_FAMILIES, HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair, tiny_hybrid_config, tiny_hybrid_vl_model,
+    CONV_FAMILIES, HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair, check_stock_outside_a_step, tiny_hybrid_config,
+    tiny_hybrid_vl_model,
 )
 from helpers.reference import check_layer_per_document, make_docs, reference_loss_and_grads, rel_err
 
@@ -89,15 +90,7 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES + CONV_FAMILIES + KDA_FAMILIES)
 def test_outside_a_step_the_model_is_stock(family):
-    ref, model = build_hybrid_pair(family)
-    model.set_attn_implementation("eager")
-    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
-    ref.eval(), model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
-        if family == "qwen3_5":  # cached generation: the patched forward defers to the stock one
-            expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
-            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    check_stock_outside_a_step(family, generate=family == "qwen3_5")  # generation: once for the patched forward
 
 
 def test_the_step_logs_what_the_token_mixers_ran():

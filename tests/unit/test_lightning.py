@@ -17,13 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import RunTable
 from hf_blockdiag_cp.kernels.lightning import torch_lightning_attention
 from hf_blockdiag_cp.mixers import MixerContext, lightning_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, minimax
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
-from helpers.model_zoo import build_hybrid_pair
+from helpers.model_zoo import build_hybrid_pair, check_stock_outside_a_step, step_mixers
 from helpers.reference import rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row blocks of the tiny config
@@ -108,21 +107,8 @@ def test_reference_catches_a_state_that_crosses_a_document():
 
 
 def test_outside_a_step_the_model_is_stock():
-    ref, model = build_hybrid_pair("minimax")
-    model.set_attn_implementation("eager")
-    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
-    ref.eval(), model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
-        expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
+    check_stock_outside_a_step("minimax")
 
 
 def test_the_step_logs_what_the_token_mixers_ran():
-    _, model = build_hybrid_pair("minimax")
-    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, config=bdcp.CPConfig(mixer_backend="torch"))
-    with train_ctx() as step:
-        model(**local).loss.backward()
-    assert step.choices.mixers == "lightning_attention=torch transport=local"
+    assert step_mixers("minimax") == "lightning_attention=torch transport=local"

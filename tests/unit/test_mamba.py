@@ -28,7 +28,8 @@ from hf_blockdiag_cp.kernels.ssd import torch_ssd_scan
 from hf_blockdiag_cp.mixers import MixerContext, selective_scan, ssd
 from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
-from helpers.model_zoo import MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, tiny_hybrid_config
+from helpers.model_zoo import (MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, check_stock_outside_a_step, step_mixers,
+                               tiny_hybrid_config, two_document_row)
 from helpers.reference import check_layer_per_document, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row chunks of the scan
@@ -168,35 +169,19 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
 
 @pytest.mark.parametrize("family", ["nemotron_h", "mamba2", "jamba", "mamba"])
 def test_outside_a_step_the_model_is_stock(family):
-    ref, model = build_hybrid_pair(family)
-    model.set_attn_implementation("eager")
-    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
-    ref.eval(), model.eval()
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
-        expected = ref.generate(ids, max_new_tokens=4, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
-
-
-def _step_batch():
-    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]])}
+    check_stock_outside_a_step(family)
 
 
 @pytest.mark.parametrize("family,scan", [("nemotron_h", "ssd_scan"), ("mamba2", "ssd_scan"), ("jamba", "selective_scan"),
                                          ("mamba", "selective_scan")])
 def test_the_step_logs_what_the_token_mixers_ran(family, scan):
-    _, model = build_hybrid_pair(family)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch(), config=bdcp.CPConfig(mixer_backend="torch"))
-    with train_ctx() as step:
-        model(**local).loss.backward()
-    assert step.choices.mixers == " ".join(sorted([f"{scan}=torch", "short_conv=torch"])) + " transport=local"
+    assert step_mixers(family) == " ".join(sorted([f"{scan}=torch", "short_conv=torch"])) + " transport=local"
 
 
 def test_hybrid_without_the_patch_cannot_run_a_step():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hybrid_config("nemotron_h"), attn_implementation=bdcp.ATTN_IMPLEMENTATION)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch())
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, two_document_row())
     with pytest.raises(RuntimeError, match=r"mamba2_packed.*apply_model_patches\(model\)"):
         with train_ctx():
             model(**local).loss.backward()
@@ -209,7 +194,7 @@ def test_a_hybrid_whose_attention_bypasses_the_step_still_raises():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hybrid_config("nemotron_h"), attn_implementation="sdpa")
     bdcp.apply_model_patches(model)
-    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, _step_batch())
+    train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, two_document_row())
     with pytest.raises(RuntimeError, match="no attention call went through"):
         with train_ctx():
             model(**local).loss.backward()
