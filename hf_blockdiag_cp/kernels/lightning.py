@@ -7,8 +7,8 @@ given. The transition of a run of n rows is λ_h^n·I, which is what state passi
 
 - `torch`: a block-wise computation (the layer's `block_size` rows at a time, as Transformers'
   forward computes it): within a block (q kᵀ ⊙ decay) v, across blocks q·S carried from the blocks
-  before. It carries the decay as a log-decay per row, -slope on the run's rows and 0 on the zero
-  rows that pad each run to its bucket, so padding leaves the final state unchanged; runs are
+  before. It carries the state's decay as a log-decay per row, -slope on the run's rows and 0 on the
+  zero rows that pad each run to its bucket, so padding leaves the final state unchanged; runs are
   batched as the torch delta rule batches them (`delta_rule.run_in_buckets`), so the cost grows
   linearly with the runs. fp32 inside; outputs in the values' dtype.
 
@@ -35,20 +35,23 @@ def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
     return t.movedim(3, 1)
 
 
-def block_lightning(q, k, v, log_decay, state, block_size: int):
+def block_lightning(q, k, v, slope, log_decay, state, block_size: int):
     """Lightning attention over a batch of runs, each from its start state: q, k `[N, W, H, Dk]`,
-    v `[N, W, H, Dv]`, `log_decay [N, W, H]` (each row's log λ; 0 leaves the state as it is),
-    `state [N, H, Dk, Dv]` or None (zero) -> (out `[N, W, H, Dv]` fp32, final `[N, H, Dk, Dv]` fp32)."""
+    v `[N, W, H, Dv]`, `slope [H]`, `log_decay [N, W, H]` (-slope on a run's rows, 0 on the zero rows
+    after its end, which leave the state as it is), `state [N, H, Dk, Dv]` or None (zero) -> (out
+    `[N, W, H, Dv]` fp32, final `[N, H, Dk, Dv]` fp32). Within a block the decay between two rows of a
+    run is λ^(i-j), one `[H, b, b]` matrix for the whole batch (a zero row's q, k, v are zero)."""
     n, width, heads = q.shape[:3]
     block = min(block_size, width)
     qb, kb, vb = (_blocks(t, block) for t in (q, k, v))  # [N, H, B, b, D]
     cum = _blocks(log_decay, block).cumsum(-1)  # [N, H, B, b]: log-decay from the block's start, inclusive
-    causal = torch.ones(block, block, dtype=torch.bool, device=q.device).tril()
-    decay = torch.where(causal, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()
-    out = ((qb @ kb.transpose(-1, -2)) * decay) @ vb
+    steps = torch.arange(block, device=q.device)
+    gaps = (steps[:, None] - steps[None, :]).float()
+    decay = torch.where(gaps >= 0, -slope.float()[:, None, None] * gaps, float("-inf")).exp()  # [H, b, b]
+    out = ((qb @ kb.transpose(-1, -2)) * decay[:, None]) @ vb
     last = cum[..., -1:]
     added = (kb * (last - cum).exp()[..., None]).transpose(-1, -2) @ vb  # [N, H, B, Dk, Dv]: each block's own keys
-    carry = last[..., 0].exp()  # [N, H, B]: λ^block
+    carry = last[..., 0].exp()  # [N, H, B]: λ^rows over each block's rows
     s = q.new_zeros((n, heads, q.shape[-1], v.shape[-1]), dtype=torch.float32) if state is None else state.float()
     starts = []
     for b in range(added.shape[2]):
@@ -64,11 +67,12 @@ def torch_lightning_attention(q, k, v, slope, table: RunTable, initial_state=Non
     """`q`, `k [T, H, Dk]`, `v [T, H, Dv]`, `slope [H]` (λ = exp(-slope)) -> (out `[T, H, Dv]` in v's dtype,
     zero on padding runs; final states `[n, H, Dk, Dv]` fp32, zero for padding runs, or None): every
     document run of `table` from its `initial_state [n, H, Dk, Dv]` (None: zero)."""
-    log_decay = (-slope.detach().float()).expand(q.shape[0], -1)
+    slope = slope.detach()
+    log_decay = (-slope.float()).expand(q.shape[0], -1)
 
     def run(batch, state):
         qb, kb, vb, gb = batch
-        return block_lightning(qb, kb, vb, gb, state, block_size)
+        return block_lightning(qb, kb, vb, slope, gb, state, block_size)
 
     return run_in_buckets(table, (q, k, v, log_decay), run, v, v.dtype, (q.shape[1], q.shape[2], v.shape[2]),
                           initial_state, output_final_state)
