@@ -28,6 +28,7 @@ import contextlib
 import gc
 import importlib.util
 import statistics
+import sys
 import time
 
 import torch
@@ -141,12 +142,14 @@ def _one_step(model, impl: str, fused: bool, run) -> tuple[float, float] | None:
     return time.perf_counter() - t0, (torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"))
 
 
-def measure(models: Models, methods: list[str], seq_len: int, args) -> list[dict]:
+def measure(models: Models, methods: list[str], seq_len: int, args, on_block=lambda rows: None) -> list[dict]:
     """Every method on the same pack, in blocks of `args.block_steps` consecutive steps, methods
     taking turns for `args.rounds` rounds (ABCABC), so drift hits them alike. The first step of a
     block is not timed: it re-warms the allocator after another method's memory pattern. The very
     first step of a method (compilation, plan building) is reported as `first_s`; steady state is
-    the median of the timed steps. Methods in `args.one_block` (slow baselines) get one block."""
+    the median of the timed steps. Methods in `args.one_block` (slow baselines) get one block.
+    After every block, `on_block` gets the rows as measured so far and a progress line goes to stderr,
+    so a run cut short by a time limit keeps what it measured."""
     lengths, batch = packed_batch(seq_len, models.stock.config.vocab_size, args.mean_doc_len, args.seed, args.device)
     runs = {m: step_fn(models, m, lengths, batch, args) for m in methods}
     rows = {m: {"method": m, "seq_len": seq_len, "docs": len(lengths), **runs[m][4]} for m in methods}
@@ -156,6 +159,7 @@ def measure(models: Models, methods: list[str], seq_len: int, args) -> list[dict
         for m in methods:
             if rows[m].get("oom") or (round_ > 0 and m in args.one_block):
                 continue
+            started = time.perf_counter()
             for i in range(args.block_steps):
                 before = compile_counters()
                 result = _one_step(*runs[m][:4])
@@ -172,23 +176,33 @@ def measure(models: Models, methods: list[str], seq_len: int, args) -> list[dict
                     rows[m]["first_s"] = seconds
                 elif i > 0:
                     times[m].append(seconds)
+            _summarize(rows[m], runs[m][4], times[m], peaks[m])
+            print(f"[bench model] {seq_len} {m}: round {round_ + 1}/{args.rounds} in {time.perf_counter() - started:.1f} s"
+                  f" (first step {rows[m].get('first_s', float('nan')):.1f} s, timed {[round(t, 3) for t in times[m]]}"
+                  f"{', out of memory' if rows[m].get('oom') else ''})", file=sys.stderr, flush=True)
+            on_block(list(rows.values()))
     if args.profile:  # one more step per method, after the timed ones (compiled, warm)
         for m in methods:
             if times[m]:
                 name = m.replace("/", "_").replace("+", "_")
                 profile_table(lambda m=m: _one_step(*runs[m][:4]), f"{args.out}/profile_{seq_len}_{name}.txt", calls=1)
-    for m, row in rows.items():
-        row.update(runs[m][4])  # what the method's steps recorded (e.g. the token mixers that ran)
-        if times[m]:
-            step_s = statistics.median(times[m])
-            row.update(step_s=step_s, tokens_per_s=seq_len / step_s, peak_gib=peaks[m],
-                       step_spread_s=max(times[m]) - min(times[m]), timed_steps=len(times[m]),
-                       steps_s=[round(t, 4) for t in times[m]])  # every timed step, in order (the table shows the median)
+    for row in rows.values():
         print(row, flush=True)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return list(rows.values())
+
+
+def _summarize(row: dict, recorded: dict, times: list[float], peak: float) -> None:
+    """Fill `row` with what the method's steps recorded (e.g. the token mixers that ran) and its
+    steady state so far: the median of the timed steps, peak memory, the spread and every step."""
+    row.update(recorded)
+    if times:
+        step_s = statistics.median(times)
+        row.update(step_s=step_s, tokens_per_s=row["seq_len"] / step_s, peak_gib=peak,
+                   step_spread_s=max(times) - min(times), timed_steps=len(times),
+                   steps_s=[round(t, 4) for t in times])  # every timed step, in order (the table shows the median)
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -208,12 +222,16 @@ def ratio_lines(result: dict) -> str:
 
 def run(args, report=lambda result: None) -> dict:
     """Every method at every length, then the largest-fitting search; `report` gets the partial
-    result after each length, so a run cut short by a time limit keeps what it measured."""
+    result after each method's block of steps, so a run cut short by a time limit keeps what it measured."""
+    started = time.perf_counter()
     models = build_models(args)
+    print(f"[bench model] models built in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     parameters = sum(p.numel() for p in models.stock.parameters())
     result = {"parameters": parameters, "rows": [], "fit_rows": [], "largest_fitting": {}, "ratios": []}
     for s in args.seq_lens:
-        rows = measure(models, list(args.methods), s, args)
+        done = list(result["rows"])
+        rows = measure(models, list(args.methods), s, args,
+                       on_block=lambda partial, done=done: report(dict(result, rows=done + partial, ratios=ratios(done + partial))))
         result["rows"].extend(rows)
         result["ratios"] = ratios(result["rows"])
         print(ratio_lines({"ratios": ratios(rows)}), flush=True)

@@ -41,6 +41,22 @@ def test_bench_model_cpu_smoke(tmp_path):
     assert result["largest_fitting"] == {"blockdiag_cp/dense": 256}
 
 
+def test_bench_model_reports_each_block_as_it_ends(tmp_path):
+    """A run cut short keeps what it measured: `report` gets every method's row right after its block,
+    the methods not yet run without a time."""
+    from hf_blockdiag_cp.bench.model import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--tiny", "--device", "cpu", "--layers", "2", "--methods", "blockdiag_cp/dense", "hf_sdpa",
+                         "--seq-lens", "128", "--mean-doc-len", "32", "--dtype", "float32", "--out", str(tmp_path)])
+    args.block_steps, args.rounds = 2, 1
+    reports = []
+    run(args, report=lambda result: reports.append([r.get("tokens_per_s") for r in result["rows"]]))
+    assert reports[0][0] > 0 and reports[0][1] is None  # ours measured, hf_sdpa not yet
+    assert all(rate > 0 for rate in reports[-1])
+
+
 @pytest.mark.parametrize("eager_baselines", [False, True])
 def test_bench_model_compiled_cpu_smoke(tmp_path, eager_baselines):
     """`--compile layers`: ours and the baseline compiled alike (activation checkpointing on, the
