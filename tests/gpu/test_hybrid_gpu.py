@@ -8,8 +8,8 @@ no TF32): the stock model in bf16 on each document unpacked (same kernels), and 
 (attention `auto`: FA4 where installed; token mixers fla or torch; activation checkpointing). The
 errors are relative norms of the gradient of each parameter group: the linear layers' decay
 parameters (A_log, dt_bias, a handful of numbers whose gradient is a long cancelling sum), the rest of
-the linear layers, attention, MLP and the rest. Each group's median over `SEEDS` for ours must stay
-within 1.5x the stock model's median, and the loss within 1e-2 (docs/testing.md, "The reference").
+the linear layers, attention, MLP and the rest. Per group, the median over `SEEDS` of ours/stock (the
+two errors of one seed) must stay within 1.5x, and the loss within 1e-2 (docs/testing.md, "The reference").
 The pack holds short documents (cp = 1 sees only these apart) and 1,500- and 700-token documents that
 straddle ranks at G = 2 and 4. `pytest -s` prints every group's medians.
 
@@ -167,25 +167,31 @@ def _medians(per_seed: list[dict]) -> dict[str, float]:
 
 
 def _check(results, what, record_property) -> None:
+    """Each group's bound applies to the median over seeds of ours/stock per seed: a seed fixes the
+    model and the documents, and with them how far a group's gradient cancels (the decay group's
+    error spans 1.5e-3 to 1.5e-1 across seeds for either model), so the pair's ratio divides that out
+    and the median is robust to the heavy tail, where a ratio of two medians over 5 seeds swung from
+    0.5x to 2.7x (docs/models.md, "bf16"). A bias shows as ours the larger in nearly every seed."""
     per_variant, ran = results[0]  # every rank holds the same means over the group
-    stock = _medians(per_variant["stock"])
+    stock_seeds = per_variant["stock"]
+    stock = _medians(stock_seeds)
     failures = []
     for variant, per_seed in per_variant.items():
         if variant == "stock":
             continue
         ours = _medians(per_seed)
-        # Ours the larger in how many seeds: a bias shows in nearly all, noise in about half.
-        worse = {g: sum(o[g] > s[g] for o, s in zip(per_seed, per_variant["stock"])) for g in ours}
-        cells = ", ".join(f"{g} {ours[g]:.2e}/{stock[g]:.2e} ({ours[g] / stock[g]:.2f}x, larger in {worse[g]}/{len(SEEDS)})"
-                          for g in GROUPS if g in ours)
-        line = f"{what} {variant}: median over {len(SEEDS)} seeds ours/stock: {cells}; loss {ours['loss']:.1e} | {ran[variant]}"
+        groups = [g for g in GROUPS if g in ours]
+        ratio = {g: statistics.median(o[g] / s[g] for o, s in zip(per_seed, stock_seeds)) for g in groups}
+        worse = {g: sum(o[g] > s[g] for o, s in zip(per_seed, stock_seeds)) for g in groups}
+        cells = ", ".join(f"{g} {ratio[g]:.2f}x (medians {ours[g]:.2e}/{stock[g]:.2e}, larger in {worse[g]}/{len(SEEDS)})"
+                          for g in groups)
+        line = f"{what} {variant}: median over {len(SEEDS)} seeds of ours/stock: {cells}; loss {ours['loss']:.1e} | {ran[variant]}"
         if "decay" in ours:  # the spread that tells noise from a bias, seed by seed
             line += "\n  decay per seed ours/stock: " + ", ".join(
-                f"{o['decay']:.1e}/{s['decay']:.1e}" for o, s in zip(per_seed, per_variant["stock"]))
+                f"{o['decay']:.1e}/{s['decay']:.1e}" for o, s in zip(per_seed, stock_seeds))
         print(line)
         record_property(f"{what} {variant}", line)
-        failures += [f"{variant} {g}: {ours[g]:.2e} > {GRAD_FACTOR} x {stock[g]:.2e}"
-                     for g in GROUPS if g in ours and ours[g] > GRAD_FACTOR * stock[g]]
+        failures += [f"{variant} {g}: {ratio[g]:.2f}x > {GRAD_FACTOR}x" for g in groups if ratio[g] > GRAD_FACTOR]
         if ours["loss"] > LOSS_TOL:
             failures.append(f"{variant} loss: {ours['loss']:.2e}")
     assert failures == []
