@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.bench.setups import E2E_CONFIGS, e2e_pack_lengths
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy, fused_cross_entropy_unavailable
 from hf_blockdiag_cp.kernels import choose_kernel
@@ -198,7 +199,7 @@ def _child_model(args, job: dict, device, group):
                                                  attn_implementation="blockdiag_cp")
     model.to(device).train()
     if args.checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     if args.e2e_fused_ce and not enable_fused_cross_entropy(model):
         raise RuntimeError(f"--e2e-fused-ce: {fused_cross_entropy_unavailable(model)}")
     if group is not None and args.e2e_grad_sync == "ddp":  # bucketed all-reduces overlapped with backward

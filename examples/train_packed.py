@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm import build_dp_cp_mesh
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
 from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_distributed, unwrap_model, wrap_model
@@ -145,7 +146,7 @@ def build_model(args, vocab_size: int):
     model.config.use_cache = False
     bdcp.apply_model_patches(model)  # per-family patches (e.g. Phi-3's RoPE from the global pack); idempotent
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     return model.train()
 
 

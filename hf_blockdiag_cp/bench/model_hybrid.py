@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ..compat.transformers import enable_activation_checkpointing
 from ..integrations.compile import compile_model
 from ..integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from ..model_patches import apply_model_patches, patches_for
@@ -124,7 +125,7 @@ def build_models(args) -> Models:
         patches = apply_model_patches(ours)
     for model in {id(stock): stock, id(ours): ours}.values():
         if args.checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model, use_reentrant=False)
     if getattr(args, "tiled_mlp", None):
         enable_tiled_mlp(ours, args.tiled_mlp)
     if getattr(args, "offload_checkpoints", False):

@@ -28,6 +28,25 @@ def set_checkpoint_function(layer: torch.nn.Module, function: Callable) -> None:
     layer._gradient_checkpointing_func = function
 
 
+def enable_activation_checkpointing(model, **checkpoint_kwargs) -> None:
+    """Transformers' activation checkpointing of `model`'s layers, `checkpoint_kwargs` going to
+    `torch.utils.checkpoint.checkpoint`: `activation_checkpointing_enable` where the installed release
+    has it (its older name, `gradient_checkpointing_enable`, warns there and goes in v6), else the old one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpoint_kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
+
+
+def checkpointing_call(model_name: str = "model") -> str:
+    """How to enable non-reentrant activation checkpointing with the installed Transformers (for messages)."""
+    import transformers
+
+    if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
+        return f"{model_name}.activation_checkpointing_enable(activation_checkpointing_kwargs={{'use_reentrant': False}})"
+    return f"{model_name}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})"
+
+
 def trainer_reads_loss_scaling_flag() -> bool:
     """Whether `Trainer.training_step` reads `loss_is_scaled_for_ga` (public from transformers 5.19).
     Earlier releases decide from `model_accepts_loss_kwargs` and `compute_loss_func` alone, and TRL's

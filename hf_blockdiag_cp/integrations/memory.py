@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..compat.transformers import checkpoint_function, set_checkpoint_function
+from ..compat.transformers import checkpoint_function, checkpointing_call, set_checkpoint_function
 
 
 def _mlp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -203,14 +203,14 @@ class CheckpointOffload:
 
 def enable_checkpoint_offload(model: torch.nn.Module) -> int:
     """Offload each checkpointed layer's input to pinned host memory for its recompute(s).
-    Call after `model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant":
-    False})`. Idempotent; returns the number of layers offloaded."""
+    Call after enabling non-reentrant activation checkpointing (`model.activation_checkpointing_enable(
+    activation_checkpointing_kwargs={"use_reentrant": False})`, before transformers 5.23
+    `gradient_checkpointing_enable`). Idempotent; returns the number of layers offloaded."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
     if not layers:
-        raise ValueError("enable_checkpoint_offload: no layer checkpoints; call model.gradient_checkpointing_enable("
-                         "gradient_checkpointing_kwargs={'use_reentrant': False}) first")
+        raise ValueError(f"enable_checkpoint_offload: no layer checkpoints; call {checkpointing_call()} first")
     offload = None
     for layer in layers:
         outer = checkpoint_function(layer)

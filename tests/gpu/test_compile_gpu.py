@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from helpers.bf16_parity import assert_bf16, bf16_errors, cp_loss_and_grads
 from helpers.packs import make_pack
 from helpers.reference import build_models, reference_loss_and_grads
@@ -34,7 +35,7 @@ def compiled_case(rank, world_size, group, regions):
     stock16 = copy.deepcopy(ref32).to(torch.bfloat16)
     loss_s, grads_s = reference_loss_and_grads(stock16, docs_cuda)
     model = model.cuda().to(torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     bdcp.compile_model(model, regions)
     config = bdcp.CPConfig(attn_backend="auto")
     loss_cp, grads_cp, step = cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=False)

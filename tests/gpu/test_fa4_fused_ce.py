@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, DeepseekV3Config, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.kernels import choose_kernel, unsupported_reason
 from helpers.packs import make_pack
 from helpers.reference import VOCAB, mean_over_group, reference_loss_and_grads, rel_err
@@ -90,7 +91,7 @@ def fa4_parity_case(rank, world_size, group, layout):
     out = {}
     for family in FAMILIES:
         ref32, model = _models(family)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
         docs, batch = make_pack(layout, world_size)
         docs = [d.cuda() for d in docs]
         loss32, grads32 = reference_loss_and_grads(ref32, docs)

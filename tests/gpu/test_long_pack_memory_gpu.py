@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from helpers.reference import build_models, rel_err
 from hf_blockdiag_cp.integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 
@@ -44,7 +45,7 @@ def test_offload_and_tiled_mlp_lower_the_peak_and_keep_the_gradients():
     _, base = build_models("llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=256)
     base = base.cuda()
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(base, use_reentrant=False)
     fp32 = copy.deepcopy(base)
     base = base.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.step.state import STEP_KWARG
 from helpers.reference import mean_over_group, rel_err
 
@@ -29,7 +30,7 @@ def cp_loss_and_grads(model, batch, group, world_size, config, checkpointing=Tru
     device = torch.device(device)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     model.zero_grad(set_to_none=True)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     with train_ctx():

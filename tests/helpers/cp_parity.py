@@ -12,6 +12,7 @@ import copy
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.kernels import get_kernel
 from hf_blockdiag_cp.planning import get_exchange
 from hf_blockdiag_cp.bench.common import histogram_lengths
@@ -112,7 +113,7 @@ def parity_matrix_case(
         ref32, model = build_models("llama", **model_dims(head_dim))
         loss32, grads32, stock_grad_err, stock_loss_err = _reference(ref32.to(device), [d.to(device) for d in docs], dtype)
         model = model.to(device, dtype)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
         batch = {k: v.to(device) for k, v in batch.items()}
         for kernel in kernels:
             for exchange, overlap in matrix_modes(world_size, kernel):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.planning import PAIR_COUNT  # permuted layouts even for packs shorter than a tile
 from hf_blockdiag_cp.planning import AttentionShape, get_exchange, plan_exchange
 from helpers.packs import make_pack
@@ -29,7 +30,7 @@ def parity_case(
             docs, batch = make_pack(layout, world_size)
             ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
             if checkpointing:
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_activation_checkpointing(model, use_reentrant=False)
             train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
             with train_ctx():
                 loss = model(**local).loss
@@ -44,7 +45,7 @@ def exchange_step_case(rank, world_size, group, layout, exchange, overlap=False)
     """The exchange the step runs, and the bytes it moved in one llama fwd+bwd with
     checkpointing, against its record's plan (forward twice: once more in recompute)."""
     _, model = build_models("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     _, batch = make_pack(layout, world_size)
     config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=overlap)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)

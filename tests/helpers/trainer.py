@@ -23,7 +23,7 @@ def tiny_model(attn: str = "blockdiag_cp", **overrides):
 
 def checkpointing_settings(use_reentrant: bool) -> dict:
     """TrainingArguments fields that turn activation checkpointing on, in this transformers' spelling:
-    `activation_checkpointing*` (5.19 on) or `gradient_checkpointing*` (the 5.17 floor)."""
+    `activation_checkpointing*` (5.23 on) or `gradient_checkpointing*` (the 5.17 floor)."""
     from transformers import TrainingArguments
 
     prefix = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"

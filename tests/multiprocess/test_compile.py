@@ -19,6 +19,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.compat.torch import compile_counters
 from hf_blockdiag_cp.integrations.compile import compile_model
 from hf_blockdiag_cp.planning import document_ids_from_lengths
@@ -76,7 +77,7 @@ def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_e
     GRAPH_OPS.clear()
     ref, eager = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
     if checkpointing:
-        eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(eager, use_reentrant=False)
     compiled = compile_model(copy.deepcopy(eager), regions, backend=recording_backend(backend))
     steps = []
     for seed, (lengths, n_pad) in enumerate(PACKS[:packs] if isinstance(packs, int) else packs):
@@ -146,7 +147,7 @@ def fsdp_compile_case(rank, world_size, group, regions):
     from hf_blockdiag_cp.integrations.accelerate import wrap_model
 
     ref, model = build_models("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     docs, batch = pack(*PACKS[0], seed=0)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     mesh = build_dp_cp_mesh(DPCPCoordinates(world_size, rank, world_size), "cpu")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from helpers.model_zoo import HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair
 from helpers.packs import long_pack, make_pack
@@ -61,7 +62,7 @@ def test_heads_transport_matches_indexing(gloo, world_size):
 def _run(model, batch, group, strategy, checkpointing, transport="auto"):
     model = copy.deepcopy(model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     config = dataclasses.replace(CONFIG, layout=strategy, mixer_transport=transport)
     train_ctx, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
     with train_ctx():

@@ -11,7 +11,7 @@ import torch
 import hf_blockdiag_cp as bdcp
 from helpers.reference import build_models, compare_with_reference, make_pack, reference_loss_and_grads
 from helpers.trainer import tiny_model
-from hf_blockdiag_cp.compat.transformers import checkpoint_function
+from hf_blockdiag_cp.compat.transformers import checkpoint_function, enable_activation_checkpointing
 from hf_blockdiag_cp.integrations.memory import CheckpointOffload, enable_checkpoint_offload, enable_tiled_mlp
 
 TOL = 1e-5
@@ -24,7 +24,7 @@ def memory_case(rank, world_size, group, variant):
     ref, model = build_models("llama")
     docs, batch = make_pack("span_all", world_size)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     if "+compile" in variant:  # compiled first: the offload goes inside compile_model's checkpoint wrapper
         bdcp.compile_model(model, "layers", backend="aot_eager")
     counts = (enable_tiled_mlp(model, tile_tokens=3) if tiled else 0, enable_checkpoint_offload(model) if offload else 0)
@@ -52,7 +52,7 @@ def test_offload_needs_non_reentrant_checkpointing():
     model = tiny_model()
     with pytest.raises(ValueError, match="no layer checkpoints"):
         enable_checkpoint_offload(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_activation_checkpointing(model, use_reentrant=True)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         enable_checkpoint_offload(model)
 
@@ -71,7 +71,7 @@ def test_tiled_mlp_refuses_bad_tiles_and_non_tensor_outputs():
 def test_helpers_are_idempotent():
     """Enabling twice wraps once: the tiled MLP calls the stock forward, one offload object per model."""
     model = tiny_model()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     stock = model.model.layers[0].mlp.forward
     enable_tiled_mlp(model, 4)
     enable_tiled_mlp(model, 4)
@@ -92,7 +92,7 @@ def second_backward_case(rank, world_size, group):
     ref, model = build_models("llama")
     docs, batch = make_pack("span_all", world_size)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     enable_checkpoint_offload(model)
     offload = checkpoint_function(model.model.layers[0])
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(attn_backend="dense"))

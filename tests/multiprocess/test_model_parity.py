@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.planning import plan_layout
 from helpers.model_packs import family_pack, packed_stock_reference
 from helpers.model_zoo import WINDOW, build_pair, reference_loss_and_grads
@@ -55,7 +56,7 @@ def model_parity_case(rank, world_size, group, family, mixed_longrope=False, ove
     for checkpointing in (False, True):
         m = copy.deepcopy(model)
         if checkpointing:
-            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(m, use_reentrant=False)
         train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(
             group, None, batch, shard_primary=shard_primary, config=config
         )

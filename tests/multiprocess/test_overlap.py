@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.attention import entry
 from hf_blockdiag_cp.comm.pending import PendingExchange
 from helpers.packs import make_pack
@@ -53,7 +54,7 @@ def _events_case(rank, world_size, group, exchange, split):
     entry.local_attention = traced_attend
     try:
         _, model = build_models("llama")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
         _, batch = make_pack("straddle", world_size)
         config = bdcp.CPConfig(attn_backend="dense", kv_exchange=exchange, overlap=split)
         train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
@@ -100,7 +101,7 @@ def _frozen_kv_case(rank, world_size, group, pack):
                 p.requires_grad_(False)
     docs, batch = make_pack(pack, world_size)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=bdcp.CPConfig(overlap=True))
     with train_ctx() as step:
         loss = model(**local).loss

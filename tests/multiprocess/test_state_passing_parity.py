@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from helpers.model_zoo import CONV_FAMILIES, LIGHTNING_FAMILIES, MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair
 from helpers.packs import long_pack, make_pack
@@ -33,7 +34,7 @@ VARIANTS = (("long", "contiguous", False), ("long", "balanced", True), ("padding
 def _run(model, batch, group, strategy, checkpointing, config=CONFIG):
     model = copy.deepcopy(model)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, use_reentrant=False)
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=dataclasses.replace(config, layout=strategy))
     with train_ctx() as step:
         loss = model(**local).loss

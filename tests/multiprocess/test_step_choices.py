@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from helpers.reference import build_models, make_pack
 
 
@@ -25,7 +26,7 @@ def choices_case(rank, world_size, group):
 
     state.log_choices.cache_clear()  # the pool's process may have run these choices in an earlier case
     _, model = build_models("llama")  # two attention layers
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # recompute calls too
+    enable_activation_checkpointing(model, use_reentrant=False)  # recompute calls too
     logger = logging.getLogger("hf_blockdiag_cp")
     records, level = _Records(), logger.level
     logger.addHandler(records)

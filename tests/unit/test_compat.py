@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_transformers_config_holds_the_attn_implementation():
 
 def test_transformers_layers_checkpoint_through_their_checkpoint_function():
     model = tiny_model("sdpa").train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    transformers_compat.enable_activation_checkpointing(model, use_reentrant=False)
     layer = model.model.layers[0]
     stock = transformers_compat.checkpoint_function(layer)
     assert isinstance(stock, functools.partial) and stock.func is torch.utils.checkpoint.checkpoint, _changed(
@@ -105,6 +106,20 @@ def test_transformers_layers_checkpoint_through_their_checkpoint_function():
     model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
     assert len(calls) == 1, _changed(transformers_compat, "a checkpointed layer no longer calls its "
                                      "`_gradient_checkpointing_func` once per forward", transformers.__version__)
+
+
+def test_transformers_checkpointing_enabled_without_the_deprecated_name():
+    """The current entry point where the installed release has it: no FutureWarning, every layer
+    checkpointed with the kwargs given; the call in messages names the same method."""
+    model = tiny_model("sdpa").train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        transformers_compat.enable_activation_checkpointing(model, use_reentrant=False)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert all(transformers_compat.checkpoint_function(layer).keywords["use_reentrant"] is False for layer in model.model.layers)
+    current = hasattr(model, "activation_checkpointing_enable")
+    assert transformers_compat.checkpointing_call().startswith(
+        "model.activation_checkpointing_enable(" if current else "model.gradient_checkpointing_enable(")
 
 
 def test_transformers_trainer_reads_the_loss_scaling_flag_from_5_19():

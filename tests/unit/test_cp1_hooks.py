@@ -30,6 +30,7 @@ from hf_blockdiag_cp.attention.sdpa_hooks import (
     enable_cp1_packed_varlen,
 )
 from hf_blockdiag_cp.compat.torch import unwrapped_name
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.planning import Layout, document_ids_from_lengths
 from helpers.reference import build_models, make_docs, reference_loss_and_grads, rel_err
 
@@ -436,7 +437,7 @@ def test_hf_model_on_sdpa_with_gradient_checkpointing():
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     model = copy.deepcopy(ref)
     model.set_attn_implementation("sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     hooks = attach_cp1_packed_varlen_hooks(model)
     assert len(hooks.attention_modules) == 2
     enable_cp1_packed_varlen(document_ids_from_lengths(LENGTHS), model=model)

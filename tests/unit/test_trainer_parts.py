@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPCallback, PackingOptions, TokenMeter
+from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from helpers.trainer import tiny_model
 
 
@@ -14,9 +15,9 @@ def test_callback_checks_activation_checkpointing_mode():
     callback = BlockdiagCPCallback(cp_size=1)
     model = tiny_model()
     callback.check_setup(model, world_size=1)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     callback.check_setup(model, world_size=1)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_activation_checkpointing(model, use_reentrant=True)
     with pytest.raises(ValueError, match="reentrant activation checkpointing"):
         callback.check_setup(model, world_size=1)
     with pytest.raises(ValueError, match="cp_size must be a positive integer"):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.consensus import collective_device
-from ...compat.transformers import attn_implementation, checkpoint_function
+from ...compat.transformers import attn_implementation, checkpoint_function, checkpointing_call
 from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh, world_size_error
 from ...data.collator import BlockdiagCPCollator
 from ...data.packing import oversize_policy
@@ -110,7 +110,7 @@ def check_model_setup(model, world_size: int, cp_size: int, activation_checkpoin
 
 def checkpointing_kwargs(args) -> dict | None:
     """The TrainingArguments' checkpointing keyword arguments under either spelling:
-    `activation_checkpointing_kwargs` (transformers >= 5.19) or `gradient_checkpointing_kwargs` (before)."""
+    `activation_checkpointing_kwargs` (transformers >= 5.23) or `gradient_checkpointing_kwargs` (before)."""
     return getattr(args, "activation_checkpointing_kwargs", None) or getattr(args, "gradient_checkpointing_kwargs", None)
 
 
@@ -118,7 +118,7 @@ def _check_checkpointing(model, activation_checkpointing_kwargs: dict | None) ->
     kwargs = activation_checkpointing_kwargs or {}
     if isinstance(kwargs, dict) and kwargs.get("use_reentrant") is True:
         raise ValueError(
-            "the checkpointing kwargs (TrainingArguments.activation_checkpointing_kwargs, before transformers 5.19 "
+            "the checkpointing kwargs (TrainingArguments.activation_checkpointing_kwargs, before transformers 5.23 "
             "gradient_checkpointing_kwargs) have use_reentrant=True; expected {'use_reentrant': False}: "
             "block-diagonal CP recomputes attention with the step's keyword arguments, which needs "
             "non-reentrant checkpointing"
@@ -127,8 +127,7 @@ def _check_checkpointing(model, activation_checkpointing_kwargs: dict | None) ->
         raise ValueError(
             "the model uses reentrant activation checkpointing (use_reentrant=True or not given); expected "
             "non-reentrant: enable it with activation_checkpointing_kwargs={'use_reentrant': False} "
-            "(TrainingArguments; gradient_checkpointing_kwargs before transformers 5.19) or the model's "
-            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+            f"(TrainingArguments; gradient_checkpointing_kwargs before transformers 5.23) or {checkpointing_call()}"
         )
 
 
