@@ -18,9 +18,10 @@ import torch
 from .delta_rule import fla_device, torch_check, torch_delta_rule
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
-# Where fla's chunk_kda was checked forward and backward against a float64 reference
-# (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv)).
-FLA_KDA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozenset()
+# Where fla's chunk_kda was checked forward and backward against the torch rule in fp32
+# (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv), with states),
+# as `delta_rule.FLA_VERIFIED`. Empty: not yet verified anywhere.
+FLA_KDA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset()
 
 TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule, torch_check, auto_priority=10))
 
@@ -29,9 +30,9 @@ def fla_kda_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> 
     reason, major = fla_device(device)
     if reason is not None:
         return reason
-    if (major, dtype, (dims.key_dim, dims.value_dim)) not in FLA_KDA_VERIFIED:
+    if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_KDA_VERIFIED:
         return (f"fla's chunk_kda was not verified for compute capability {major}.x, {dtype}, head dims "
-                f"{dims.key_dim}x{dims.value_dim}")
+                f"{dims.key_dim}x{dims.value_dim}{' with states' if dims.states else ''}")
     return None
 
 

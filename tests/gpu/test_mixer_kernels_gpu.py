@@ -1,11 +1,11 @@
-"""The fla mixer kernels (`kernels.delta_rule`, `kernels.short_conv`) on a GPU, where `FLA_VERIFIED` and
-`FLA_CONV_VERIFIED` come from.
+"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.short_conv`) on a GPU, where
+`FLA_VERIFIED`, `FLA_KDA_VERIFIED` and `FLA_CONV_VERIFIED` come from.
 
 Over runs of 1 to 1,500 tokens and a padding run, without states and with an initial state per run
 and the final states (what state passing feeds in and takes out), the outputs and the gradients of every input, the
 initial state included, against the torch kernel in fp32. The criterion is docs/testing.md's: fla's
 bf16 error at most twice the torch kernel's own error fed the same bf16 inputs, plus a small floor.
-The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
+KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
 without CUDA and without flash-linear-attention (or its usable backend on this GPU).
 """
 
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
 from hf_blockdiag_cp.kernels.delta_rule import FLA_VERIFIED, fla_backend_reason, fla_delta_rule, torch_delta_rule
+from hf_blockdiag_cp.kernels.kda import FLA_KDA_VERIFIED, fla_kda
 from hf_blockdiag_cp.kernels.short_conv import FLA_CONV_VERIFIED, fla_short_conv, torch_short_conv
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 
@@ -43,6 +44,13 @@ def _rule():
     return inspect.unwrap(modeling_qwen3_5.torch_chunk_gated_delta_rule)
 
 
+def _kda_rule():
+    """Kimi Linear's torch rule (unwrapped: with fla installed, Transformers may route the call to fla)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    return inspect.unwrap(modeling_kimi_linear.chunk_kimi_delta_attention)
+
+
 def _table() -> RunTable:
     lengths = RUNS + [PADDING]
     bounds = torch.tensor([0] + lengths).cumsum(0)
@@ -63,13 +71,49 @@ def _delta_rule_inputs(rows: int, runs: int):
     return q, k, v, decay, beta, state
 
 
-def _delta_rule_run(fn, inputs, dtype, table, probes, states: bool):
+def _kda_inputs(rows: int, runs: int):
+    """Kimi Linear's shapes: as many key as value heads, a log-decay per key channel."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k = (torch.randn(rows, HV, DK, generator=g, device="cuda") for _ in range(2))
+    v = torch.randn(rows, HV, DV, generator=g, device="cuda")
+    decay = F.logsigmoid(torch.randn(rows, HV, DK, generator=g, device="cuda") + 3)  # mostly slow, some fast channels
+    beta = torch.randn(rows, HV, generator=g, device="cuda").sigmoid()
+    state = torch.randn(runs, HV, DK, DV, generator=g, device="cuda") * 0.1
+    return q, k, v, decay, beta, state
+
+
+def _delta_rule_run(fn, inputs, dtype, table, probes, states: bool, rule):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     q, k, v, decay, beta, state = leaves
-    out, final = fn(q.to(dtype), k.to(dtype), v.to(dtype), decay, beta.to(dtype), table, state if states else None, states, _rule())
+    out, final = fn(q.to(dtype), k.to(dtype), v.to(dtype), decay, beta.to(dtype), table, state if states else None, states, rule)
     loss = (out.float() * probes[0]).sum() + ((final.float() * probes[1]).sum() if states else 0)
     loss.backward()
     return [out, final] + [t.grad for t in leaves]
+
+
+def _check_against_torch(name, fla_fn, torch_fn, rule, inputs, table, states: bool) -> None:
+    """fla in bf16 within twice the torch kernel's own bf16 error (+ FLOOR) of the torch kernel in fp32,
+    for the outputs, the final states and the gradient of every input; padding rows zero."""
+    runs = table.runs.lengths.numel()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    probes = (torch.randn(table.num_rows, HV, DV, generator=g, device="cuda"),
+              torch.randn(runs, HV, DK, DV, generator=g, device="cuda"))
+    reference = _delta_rule_run(torch_fn, inputs, torch.float32, table, probes, states, rule)
+    torch_bf16 = _delta_rule_run(torch_fn, inputs, torch.bfloat16, table, probes, states, rule)
+    fla_bf16 = _delta_rule_run(fla_fn, inputs, torch.bfloat16, table, probes, states, rule)
+    documents = table.runs.is_document.cuda()
+    failures = []
+    for part, ref, base, fla in zip(["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"], reference, torch_bf16, fla_bf16):
+        if ref is None:  # no states: no final state, no state gradient
+            continue
+        if part in ("final", "dstate"):  # padding runs' states are not used
+            ref, base, fla = ref[documents], base[documents], fla[documents]
+        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
+        print(f"{name} states={states} {part}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
+        if fla_err > 2 * base_err + FLOOR:
+            failures.append(f"{part}: fla {fla_err:.2e} against torch {base_err:.2e}")
+    assert failures == []
+    assert torch.equal(fla_bf16[0][-PADDING:].float(), torch.zeros_like(fla_bf16[0][-PADDING:].float()))
 
 
 @pytest.mark.parametrize("states", [False, True], ids=["no-states", "states"])
@@ -77,28 +121,16 @@ def test_fla_delta_rule_matches_fp32(states):
     """Without states (one rank, head-parallel) and with them (state passing), each checked on
     its own: `FLA_VERIFIED` holds the two apart."""
     table = _table()
-    runs = len(RUNS) + 1
-    inputs = _delta_rule_inputs(table.num_rows, runs)
-    g = torch.Generator(device="cuda").manual_seed(1)
-    probes = (torch.randn(table.num_rows, HV, DV, generator=g, device="cuda"),
-              torch.randn(runs, HV, DK, DV, generator=g, device="cuda"))
-    reference = _delta_rule_run(torch_delta_rule, inputs, torch.float32, table, probes, states)
-    torch_bf16 = _delta_rule_run(torch_delta_rule, inputs, torch.bfloat16, table, probes, states)
-    fla_bf16 = _delta_rule_run(fla_delta_rule, inputs, torch.bfloat16, table, probes, states)
-    documents = table.runs.is_document.cuda()
-    names = ["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
-    failures = []
-    for name, ref, base, fla in zip(names, reference, torch_bf16, fla_bf16):
-        if ref is None:  # no states: no final state, no state gradient
-            continue
-        if name in ("final", "dstate"):  # padding runs' states are not used
-            ref, base, fla = ref[documents], base[documents], fla[documents]
-        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
-        print(f"states={states} {name}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
-        if fla_err > 2 * base_err + FLOOR:
-            failures.append(f"{name}: fla {fla_err:.2e} against torch {base_err:.2e}")
-    assert failures == []
-    assert torch.equal(fla_bf16[0][-PADDING:].float(), torch.zeros_like(fla_bf16[0][-PADDING:].float()))
+    inputs = _delta_rule_inputs(table.num_rows, table.runs.lengths.numel())
+    _check_against_torch("delta rule", fla_delta_rule, torch_delta_rule, _rule(), inputs, table, states)
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["no-states", "states"])
+def test_fla_kda_matches_fp32(states):
+    """fla's chunk_kda against Kimi Linear's torch rule, without and with states (`FLA_KDA_VERIFIED`)."""
+    table = _table()
+    inputs = _kda_inputs(table.num_rows, table.runs.lengths.numel())
+    _check_against_torch("kda", fla_kda, torch_delta_rule, _kda_rule(), inputs, table, states)
 
 
 def _conv_run(fn, x, weight, bias, dtype, table, probe):
@@ -145,3 +177,7 @@ def test_auto_takes_fla_exactly_where_it_was_verified():
         assert chosen == ("fla" if verified else "torch"), dims
     chosen = choose_mixer_kernel("short_conv", "auto", torch.device("cuda"), torch.bfloat16, MixerDims()).name
     assert chosen == ("fla" if (major, torch.bfloat16) in FLA_CONV_VERIFIED else "torch")
+    for dims in (MixerDims(DK, DV), MixerDims(DK, DV, states=True)):
+        verified = (major, torch.bfloat16, (dims.key_dim, dims.value_dim), dims.states) in FLA_KDA_VERIFIED
+        chosen = choose_mixer_kernel("kda", "auto", torch.device("cuda"), torch.bfloat16, dims).name
+        assert chosen == ("fla" if verified else "torch"), dims
