@@ -1,11 +1,12 @@
-"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.short_conv`) on a GPU, where
-`FLA_VERIFIED`, `FLA_KDA_VERIFIED` and `FLA_CONV_VERIFIED` come from.
+"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.ssd`, `kernels.short_conv`) on a
+GPU, where `FLA_VERIFIED`, `FLA_KDA_VERIFIED`, `FLA_SSD_VERIFIED` and `FLA_CONV_VERIFIED` come from.
 
 Over runs of 1 to 1,500 tokens and a padding run, without states and with an initial state per run
 and the final states (what state passing feeds in and takes out), the outputs and the gradients of every input, the
 initial state included, against the torch kernel in fp32. The criterion is docs/testing.md's: fla's
 bf16 error at most twice the torch kernel's own error fed the same bf16 inputs, plus a small floor.
-KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
+KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule, and Mamba2's SSD scan
+as fla's simple GLA against NemotronH's torch scan. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
 without CUDA and without flash-linear-attention (or its usable backend on this GPU).
 """
 
@@ -21,6 +22,7 @@ from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
 from hf_blockdiag_cp.kernels.delta_rule import FLA_VERIFIED, fla_backend_reason, fla_delta_rule, torch_delta_rule
 from hf_blockdiag_cp.kernels.kda import FLA_KDA_VERIFIED, fla_kda
 from hf_blockdiag_cp.kernels.short_conv import FLA_CONV_VERIFIED, fla_short_conv, torch_short_conv
+from hf_blockdiag_cp.kernels.ssd import FLA_SSD_VERIFIED, fla_ssd_scan, torch_ssd_scan
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -133,6 +135,52 @@ def test_fla_kda_matches_fp32(states):
     _check_against_torch("kda", fla_kda, torch_delta_rule, _kda_rule(), inputs, table, states)
 
 
+SSD_HEADS, SSD_P, SSD_G, SSD_N = 8, 64, 2, 128  # NemotronH's head dim and state size
+
+
+def _ssd_run(fn, inputs, dtype, table, probes):
+    from transformers.models.nemotron_h import modeling_nemotron_h
+
+    scan = inspect.unwrap(modeling_nemotron_h.mamba2_chunk_scan)
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    x, dt, A, B, C, D = leaves
+    out, final = fn(x.to(dtype), dt, A, B.to(dtype), C.to(dtype), D.to(dtype), table, None, True, scan, 256)
+    ((out.float() * probes[0]).sum() + (final.float() * probes[1]).sum()).backward()
+    return [out, final] + [t.grad for t in leaves]
+
+
+def test_fla_simple_gla_as_the_ssd_scan_matches_fp32():
+    """Mamba2's scan through fla's chunk_simple_gla (`kernels.ssd.fla_ssd_scan`) against the family's torch
+    scan in fp32: output, final states and the gradient of every input (`FLA_SSD_VERIFIED`)."""
+    table = _table()
+    rows, runs = table.num_rows, table.runs.lengths.numel()
+    g = torch.Generator(device="cuda").manual_seed(4)
+    inputs = (torch.randn(rows, SSD_HEADS, SSD_P, generator=g, device="cuda"),
+              F.softplus(torch.randn(rows, SSD_HEADS, generator=g, device="cuda") - 2),  # dt as the layer gives it
+              -torch.rand(SSD_HEADS, generator=g, device="cuda") * 4 - 0.5,  # A = -exp(A_log)
+              torch.randn(rows, SSD_G, SSD_N, generator=g, device="cuda") * SSD_N ** -0.5,
+              torch.randn(rows, SSD_G, SSD_N, generator=g, device="cuda") * SSD_N ** -0.5,
+              torch.randn(SSD_HEADS, generator=g, device="cuda"))
+    probes = (torch.randn(rows, SSD_HEADS, SSD_P, generator=g, device="cuda"),
+              torch.randn(runs, SSD_HEADS, SSD_P, SSD_N, generator=g, device="cuda"))
+    reference = _ssd_run(torch_ssd_scan, inputs, torch.float32, table, probes)
+    torch_bf16 = _ssd_run(torch_ssd_scan, inputs, torch.bfloat16, table, probes)
+    fla_bf16 = _ssd_run(fla_ssd_scan, inputs, torch.bfloat16, table, probes)
+    documents, doc_rows = table.runs.is_document.cuda(), table.runs.row_is_document.cuda()
+    failures = []
+    for part, ref, base, fla in zip(["out", "final", "dx", "ddt", "dA", "dB", "dC", "dD"], reference, torch_bf16, fla_bf16):
+        if part == "final":
+            ref, base, fla = ref[documents], base[documents], fla[documents]
+        elif part in ("out", "dx", "ddt", "dB", "dC"):
+            ref, base, fla = ref[doc_rows], base[doc_rows], fla[doc_rows]
+        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
+        print(f"ssd {part}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
+        if fla_err > 2 * base_err + FLOOR:
+            failures.append(f"{part}: fla {fla_err:.2e} against torch {base_err:.2e}")
+    assert failures == []
+    assert torch.equal(fla_bf16[0][-PADDING:], torch.zeros_like(fla_bf16[0][-PADDING:]))
+
+
 def _conv_run(fn, x, weight, bias, dtype, table, probe):
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weight, bias)]
     out = fn(leaves[0].to(dtype), leaves[1].to(dtype), leaves[2].to(dtype), "silu", table)
@@ -177,6 +225,9 @@ def test_auto_takes_fla_exactly_where_it_was_verified():
         assert chosen == ("fla" if verified else "torch"), dims
     chosen = choose_mixer_kernel("short_conv", "auto", torch.device("cuda"), torch.bfloat16, MixerDims()).name
     assert chosen == ("fla" if (major, torch.bfloat16) in FLA_CONV_VERIFIED else "torch")
+    dims = MixerDims(SSD_N, SSD_P)
+    chosen = choose_mixer_kernel("ssd_scan", "auto", torch.device("cuda"), torch.bfloat16, dims).name
+    assert chosen == ("fla" if (major, torch.bfloat16, (SSD_N, SSD_P)) in FLA_SSD_VERIFIED else "torch")
     for dims in (MixerDims(DK, DV), MixerDims(DK, DV, states=True)):
         verified = (major, torch.bfloat16, (dims.key_dim, dims.value_dim), dims.states) in FLA_KDA_VERIFIED
         chosen = choose_mixer_kernel("kda", "auto", torch.device("cuda"), torch.bfloat16, dims).name
