@@ -12,8 +12,9 @@ given. The transition of a run of n rows is λ_h^n·I, which is what state passi
   batched as the torch delta rule batches them (`delta_rule.run_in_buckets`), so the cost grows
   linearly with the runs. fp32 inside; outputs in the values' dtype.
 
-fla's `chunk_simple_gla` / lightning-attention kernels are not registered: none was verified on a
-GPU (docs/models.md).
+- `fla`: flash-linear-attention's varlen `chunk_simple_gla` with a constant log-decay per head
+  (`g_gamma` = -slope, which is what fla's own lightning attention passes it), scale 1, refused
+  until verified on a GPU (`FLA_LIGHTNING_VERIFIED`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .delta_rule import run_in_buckets, torch_check
-from .mixer_registry import MixerKernelRecord, RunTable, register_mixer_kernel
+from .delta_rule import fla_device, run_in_buckets, torch_check
+from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 
 def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -80,3 +81,38 @@ def torch_lightning_attention(q, k, v, slope, table: RunTable, initial_state=Non
 
 TORCH = register_mixer_kernel(MixerKernelRecord("torch", "lightning_attention", torch_lightning_attention, torch_check,
                                                 auto_priority=10))
+
+
+# --------------------------------------------------------------------------- flash-linear-attention
+
+# Where fla's chunk_simple_gla, fed as `fla_lightning_attention` feeds it, was checked forward and backward
+# against the torch kernel in fp32 (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major,
+# dtype, (Dk, Dv), with states), as `delta_rule.FLA_VERIFIED`. Empty: not yet verified anywhere.
+FLA_LIGHTNING_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset()
+
+
+def fla_lightning_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    reason, major = fla_device(device)
+    if reason is not None:
+        return reason
+    if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_LIGHTNING_VERIFIED:
+        return (f"fla's chunk_simple_gla as lightning attention was not verified for compute capability {major}.x, "
+                f"{dtype}, head dims {dims.key_dim}x{dims.value_dim}{' with states' * dims.states} (verified: nowhere yet)")
+    return None
+
+
+def fla_lightning_attention(q, k, v, slope, table: RunTable, initial_state=None, output_final_state=False,
+                            block_size: int = 256):
+    """fla's varlen simple GLA over every run of `table`: g_gamma = -slope per head, scale 1, one state per
+    run; padding runs' outputs and states zero."""
+    del block_size
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    out, final = chunk_simple_gla(q[None], k[None], v[None], g_gamma=-slope.detach().float(), scale=1.0,
+                                  initial_state=initial_state, output_final_state=output_final_state,
+                                  cu_seqlens=table.cu_seqlens)
+    return table.only_documents(out[0], final.float() if final is not None else None)
+
+
+FLA = register_mixer_kernel(MixerKernelRecord("fla", "lightning_attention", fla_lightning_attention, fla_lightning_check,
+                                              auto_priority=0))

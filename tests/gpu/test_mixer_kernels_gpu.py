@@ -1,12 +1,13 @@
-"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.ssd`, `kernels.short_conv`) on a
-GPU, where `FLA_VERIFIED`, `FLA_KDA_VERIFIED`, `FLA_SSD_VERIFIED` and `FLA_CONV_VERIFIED` come from.
+"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.ssd`, `kernels.lightning`,
+`kernels.short_conv`) on a GPU, where their `FLA_*VERIFIED` sets come from.
 
 Over runs of 1 to 1,500 tokens and a padding run, without states and with an initial state per run
 and the final states (what state passing feeds in and takes out), the outputs and the gradients of every input, the
 initial state included, against the torch kernel in fp32. The criterion is docs/testing.md's: fla's
 bf16 error at most twice the torch kernel's own error fed the same bf16 inputs, plus a small floor.
-KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule, and Mamba2's SSD scan
-as fla's simple GLA against NemotronH's torch scan. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
+KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule, Mamba2's SSD scan as
+fla's simple GLA against NemotronH's torch scan, and MiniMax's lightning attention as fla's simple GLA
+against our torch kernel. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
 without CUDA and without flash-linear-attention (or its usable backend on this GPU).
 """
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
 from hf_blockdiag_cp.kernels.delta_rule import FLA_VERIFIED, fla_backend_reason, fla_delta_rule, torch_delta_rule
 from hf_blockdiag_cp.kernels.kda import FLA_KDA_VERIFIED, fla_kda
+from hf_blockdiag_cp.kernels.lightning import FLA_LIGHTNING_VERIFIED, fla_lightning_attention, torch_lightning_attention
 from hf_blockdiag_cp.kernels.short_conv import FLA_CONV_VERIFIED, fla_short_conv, torch_short_conv
 from hf_blockdiag_cp.kernels.ssd import FLA_SSD_VERIFIED, fla_ssd_scan, torch_ssd_scan
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
@@ -103,15 +105,24 @@ def _check_against_torch(name, fla_fn, torch_fn, rule, inputs, table, states: bo
     reference = _delta_rule_run(torch_fn, inputs, torch.float32, table, probes, states, rule)
     torch_bf16 = _delta_rule_run(torch_fn, inputs, torch.bfloat16, table, probes, states, rule)
     fla_bf16 = _delta_rule_run(fla_fn, inputs, torch.bfloat16, table, probes, states, rule)
-    documents = table.runs.is_document.cuda()
+    _compare(f"{name} states={states}", ["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"],
+             reference, torch_bf16, fla_bf16, table, per_run=("final", "dstate"))
+
+
+def _compare(label, parts, reference, torch_bf16, fla_bf16, table, per_run=(), per_row=()) -> None:
+    """Each part of fla's bf16 run within 2x the torch kernel's bf16 error (+ FLOOR) of the fp32 reference,
+    `per_run` parts over document runs only (padding runs' states are not used), `per_row` parts over
+    document rows only; padding rows of fla's output zero."""
+    documents, doc_rows = table.runs.is_document.cuda(), table.runs.row_is_document.cuda()
     failures = []
-    for part, ref, base, fla in zip(["out", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate"], reference, torch_bf16, fla_bf16):
+    for part, ref, base, fla in zip(parts, reference, torch_bf16, fla_bf16):
         if ref is None:  # no states: no final state, no state gradient
             continue
-        if part in ("final", "dstate"):  # padding runs' states are not used
-            ref, base, fla = ref[documents], base[documents], fla[documents]
+        if part in per_run or part in per_row:
+            keep = documents if part in per_run else doc_rows
+            ref, base, fla = ref[keep], base[keep], fla[keep]
         fla_err, base_err = _rel(fla, ref), _rel(base, ref)
-        print(f"{name} states={states} {part}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
+        print(f"{label} {part}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
         if fla_err > 2 * base_err + FLOOR:
             failures.append(f"{part}: fla {fla_err:.2e} against torch {base_err:.2e}")
     assert failures == []
@@ -166,19 +177,36 @@ def test_fla_simple_gla_as_the_ssd_scan_matches_fp32():
     reference = _ssd_run(torch_ssd_scan, inputs, torch.float32, table, probes)
     torch_bf16 = _ssd_run(torch_ssd_scan, inputs, torch.bfloat16, table, probes)
     fla_bf16 = _ssd_run(fla_ssd_scan, inputs, torch.bfloat16, table, probes)
-    documents, doc_rows = table.runs.is_document.cuda(), table.runs.row_is_document.cuda()
-    failures = []
-    for part, ref, base, fla in zip(["out", "final", "dx", "ddt", "dA", "dB", "dC", "dD"], reference, torch_bf16, fla_bf16):
-        if part == "final":
-            ref, base, fla = ref[documents], base[documents], fla[documents]
-        elif part in ("out", "dx", "ddt", "dB", "dC"):
-            ref, base, fla = ref[doc_rows], base[doc_rows], fla[doc_rows]
-        fla_err, base_err = _rel(fla, ref), _rel(base, ref)
-        print(f"ssd {part}: fla bf16 {fla_err:.2e}, torch bf16 {base_err:.2e}")
-        if fla_err > 2 * base_err + FLOOR:
-            failures.append(f"{part}: fla {fla_err:.2e} against torch {base_err:.2e}")
-    assert failures == []
-    assert torch.equal(fla_bf16[0][-PADDING:], torch.zeros_like(fla_bf16[0][-PADDING:]))
+    _compare("ssd", ["out", "final", "dx", "ddt", "dA", "dB", "dC", "dD"], reference, torch_bf16, fla_bf16, table,
+             per_run=("final",), per_row=("out", "dx", "ddt", "dB", "dC"))
+
+
+def _lightning_run(fn, inputs, dtype, table, probes, states: bool):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs[:3]] + [inputs[3], inputs[4].clone().requires_grad_(True)]
+    q, k, v, slope, state = leaves
+    out, final = fn(q.to(dtype), k.to(dtype), v.to(dtype), slope, table, state if states else None, states, 256)
+    ((out.float() * probes[0]).sum() + ((final.float() * probes[1]).sum() if states else 0)).backward()
+    return [out, final, q.grad, k.grad, v.grad, state.grad]
+
+
+@pytest.mark.parametrize("states", [False, True], ids=["no-states", "states"])
+def test_fla_simple_gla_as_lightning_attention_matches_fp32(states):
+    """MiniMax's lightning attention (a constant decay per head) through fla's chunk_simple_gla against the
+    torch kernel in fp32, without and with states (`FLA_LIGHTNING_VERIFIED`)."""
+    table = _table()
+    rows, runs = table.num_rows, table.runs.lengths.numel()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    scale = DK ** -0.5  # MiniMax's q, k come out of an activation of a projection: unit-order entries
+    inputs = (torch.randn(rows, HV, DK, generator=g, device="cuda") * scale, torch.randn(rows, HV, DK, generator=g, device="cuda"),
+              torch.randn(rows, HV, DV, generator=g, device="cuda"),
+              torch.rand(HV, generator=g, device="cuda") * 0.1,  # slopes: decays 0.90 to 1 per row
+              torch.randn(runs, HV, DK, DV, generator=g, device="cuda") * 0.1)
+    probes = (torch.randn(rows, HV, DV, generator=g, device="cuda"), torch.randn(runs, HV, DK, DV, generator=g, device="cuda"))
+    results = [_lightning_run(fn, inputs, dtype, table, probes, states) for fn, dtype in
+               ((torch_lightning_attention, torch.float32), (torch_lightning_attention, torch.bfloat16),
+                (fla_lightning_attention, torch.bfloat16))]
+    _compare(f"lightning states={states}", ["out", "final", "dq", "dk", "dv", "dstate"], *results, table,
+             per_run=("final", "dstate"))
 
 
 def _conv_run(fn, x, weight, bias, dtype, table, probe):
@@ -225,6 +253,10 @@ def test_auto_takes_fla_exactly_where_it_was_verified():
         assert chosen == ("fla" if verified else "torch"), dims
     chosen = choose_mixer_kernel("short_conv", "auto", torch.device("cuda"), torch.bfloat16, MixerDims()).name
     assert chosen == ("fla" if (major, torch.bfloat16) in FLA_CONV_VERIFIED else "torch")
+    for dims in (MixerDims(DK, DV), MixerDims(DK, DV, states=True)):
+        verified = (major, torch.bfloat16, (dims.key_dim, dims.value_dim), dims.states) in FLA_LIGHTNING_VERIFIED
+        chosen = choose_mixer_kernel("lightning_attention", "auto", torch.device("cuda"), torch.bfloat16, dims).name
+        assert chosen == ("fla" if verified else "torch"), dims
     dims = MixerDims(SSD_N, SSD_P)
     chosen = choose_mixer_kernel("ssd_scan", "auto", torch.device("cuda"), torch.bfloat16, dims).name
     assert chosen == ("fla" if (major, torch.bfloat16, (SSD_N, SSD_P)) in FLA_SSD_VERIFIED else "torch")

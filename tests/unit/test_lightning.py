@@ -23,7 +23,7 @@ from hf_blockdiag_cp.mixers import MixerContext, lightning_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, minimax
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import build_hybrid_pair, check_stock_outside_a_step, step_mixers
-from helpers.reference import rel_err
+from helpers.reference import fake_fla_simple_gla, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row blocks of the tiny config
 
@@ -58,6 +58,32 @@ def test_torch_kernel_equals_the_recurrence_per_run(block_size):
         assert rel_err(final[:3], ref_final[:3]) <= 1e-5
         assert torch.equal(out[~docs], torch.zeros_like(out[~docs]))  # a padding run's output is zero
         assert torch.equal(final[3], torch.zeros_like(final[3]))  # and so is its final state
+
+
+def test_fla_record_feeds_simple_gla_the_lightning_recurrence(monkeypatch):
+    """g_gamma = -slope, scale 1, start states per run: equal to the float64 recurrence with fla's kernel
+    replaced by its documented definition (the GPU check, tests/gpu/test_mixer_kernels_gpu.py, checks
+    fla's kernel itself); on the CPU `auto` keeps the torch kernel and naming fla is refused."""
+    from hf_blockdiag_cp.kernels import choose_mixer_kernel
+    from hf_blockdiag_cp.kernels.lightning import fla_lightning_attention
+    from hf_blockdiag_cp.kernels.mixer_registry import MixerDims
+
+    fake_fla_simple_gla(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    rows, heads, key_dim, value_dim = 75, 3, 4, 5
+    q, k = (torch.randn(rows, heads, key_dim, generator=g) for _ in range(2))
+    v, slope = torch.randn(rows, heads, value_dim, generator=g), torch.rand(heads, generator=g) * 0.3
+    runs = MixerRuns(torch.tensor([0, 37, 38, 70, 75]), torch.tensor([True, True, True, False]))
+    start, docs = torch.randn(4, heads, key_dim, value_dim, generator=g), runs.row_is_document
+    for initial in (None, start):
+        out, final = fla_lightning_attention(q, k, v, slope, RunTable.build(runs, "cpu"), initial, True)
+        ref_out, ref_final = _recurrence(q, k, v, slope, runs, initial)
+        assert rel_err(out[docs], ref_out[docs]) <= 1e-5 and rel_err(final[:3], ref_final[:3]) <= 1e-5
+        assert torch.equal(out[~docs], torch.zeros_like(out[~docs])) and torch.equal(final[3], torch.zeros_like(final[3]))
+    dims = MixerDims(key_dim, value_dim)
+    assert choose_mixer_kernel("lightning_attention", "auto", torch.device("cpu"), torch.float32, dims).name == "torch"
+    with pytest.raises(ValueError, match="fla.*CUDA"):
+        choose_mixer_kernel("lightning_attention", "fla", torch.device("cpu"), torch.bfloat16, dims)
 
 
 def _layers():

@@ -14,7 +14,6 @@ selective_scan.py; docs/models.md).
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import (MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, check_stock_outside_a_step, step_mixers,
                                tiny_hybrid_config, two_document_row)
-from helpers.reference import check_layer_per_document, rel_err
+from helpers.reference import check_layer_per_document, fake_fla_simple_gla, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row chunks of the scan
 
@@ -73,33 +72,13 @@ def test_torch_kernel_equals_the_recurrence_per_run():
         assert rel_err(final[:3], ref_final[:3]) <= 1e-5
 
 
-def _simple_gla_reference(q, k, v, g, scale, output_final_state, state_v_first, cu_seqlens, initial_state=None):
-    """fla's `chunk_simple_gla` as its docstring defines it, in float64 and run by run: S_t = exp(g_t)·S_{t-1}
-    + k_t ⊗ v_t ([K, V] per head, [V, K] with `state_v_first`), o_t = scale·q_t·S_t, from zero at each run."""
-    assert initial_state is None
-    q, k, v, g = (t[0].double() for t in (q, k, v, g))
-    out, finals = torch.zeros_like(v), []
-    bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        state = torch.zeros(q.shape[1], q.shape[2], v.shape[2], dtype=torch.float64)
-        for t in range(a, b):
-            state = torch.exp(g[t])[:, None, None] * state + k[t][:, :, None] * v[t][:, None, :]
-            out[t] = scale * torch.einsum("hk,hkv->hv", q[t], state)
-        finals.append(state.transpose(-1, -2) if state_v_first else state)
-    return out[None].to(v.dtype), torch.stack(finals) if output_final_state else None
-
-
 def test_fla_ssd_scan_feeds_simple_gla_the_ssd_scan(monkeypatch):
     """The SSD scan mapped onto simple GLA (q = C, k = B, v = dt·x, g = dt·A, state [P, N]) equals the
     float64 recurrence, with fla's kernel replaced by its documented definition: the mapping is checked
     here on every CI run; the GPU check (tests/gpu/test_mixer_kernels_gpu.py) checks fla's kernel."""
-    import types
-
     from hf_blockdiag_cp.kernels.ssd import fla_ssd_scan
 
-    for name in ("fla", "fla.ops"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", types.SimpleNamespace(chunk_simple_gla=_simple_gla_reference))
+    fake_fla_simple_gla(monkeypatch)
     g = torch.Generator().manual_seed(3)
     rows, heads, head_dim, groups, state = 75, 4, 3, 2, 5
     x, B, C = torch.randn(rows, heads, head_dim, generator=g), torch.randn(rows, groups, state, generator=g), torch.randn(rows, groups, state, generator=g)
