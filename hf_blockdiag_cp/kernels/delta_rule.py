@@ -163,25 +163,38 @@ def fla_backend_reason(device_index: int) -> str | None:
 
 
 def fla_device(device: torch.device) -> tuple[str | None, int]:
-    """(Why fla's kernels cannot run on `device`, or None; its compute capability major, 0 off CUDA):
-    the common part of every fla record's check."""
+    """(Why fla's kernels cannot run on `device`, or None; its compute capability major, 0 off CUDA)."""
     if device.type != "cuda":
         return f"flash-linear-attention needs a CUDA device; got {device.type}", 0
     index = device.index if device.index is not None else torch.cuda.current_device()
     return fla_backend_reason(index), torch.cuda.get_device_capability(index)[0]
 
 
-def fla_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+def fla_unverified_reason(what: str, verified: frozenset, device: torch.device, dtype: torch.dtype, dims: MixerDims,
+                          head_dims: bool = True, states: bool = True) -> str | None:
+    """Every fla record's check: why `what` cannot run the call (fla unusable on `device`, or the call's
+    (compute capability major, dtype[, (Dk, Dv)][, with states]) not in `verified`), or None."""
     reason, major = fla_device(device)
     if reason is not None:
         return reason
-    if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_VERIFIED:
-        verified = sorted(f"sm{m}x {str(d).removeprefix('torch.')} {kd}x{vd}{' with states' * s}"
-                          for m, d, (kd, vd), s in FLA_VERIFIED)
-        return (f"the fla delta rule was not verified for compute capability {major}.x, {dtype}, head dims "
-                f"{dims.key_dim}x{dims.value_dim}{' with initial and final states' * dims.states} "
-                f"(verified: {', '.join(verified) or 'nowhere yet'})")
-    return None
+    key = (major, dtype) + (((dims.key_dim, dims.value_dim),) if head_dims else ()) + ((dims.states,) if states else ())
+    if key in verified:
+        return None
+    listed = ", ".join(sorted(_describe(k) for k in verified)) or "nowhere yet"
+    return f"{what} was not verified for {_describe(key)} (verified: {listed})"
+
+
+def _describe(key: tuple) -> str:
+    major, dtype, *rest = key
+    text = f"compute capability {major}.x, {str(dtype).removeprefix('torch.')}"
+    if rest and isinstance(rest[0], tuple):
+        text += f", head dims {rest[0][0]}x{rest[0][1]}"
+        rest = rest[1:]
+    return text + (" with initial and final states" if rest and rest[0] else "")
+
+
+def fla_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    return fla_unverified_reason("the fla delta rule", FLA_VERIFIED, device, dtype, dims)
 
 
 def fla_delta_rule(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_state=False, torch_rule=None):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .delta_rule import fla_device, torch_check, torch_delta_rule
+from .delta_rule import fla_unverified_reason, torch_check, torch_delta_rule
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where fla's chunk_kda was checked forward and backward against the torch rule in fp32
@@ -27,13 +27,7 @@ TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule
 
 
 def fla_kda_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    reason, major = fla_device(device)
-    if reason is not None:
-        return reason
-    if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_KDA_VERIFIED:
-        return (f"fla's chunk_kda was not verified for compute capability {major}.x, {dtype}, head dims "
-                f"{dims.key_dim}x{dims.value_dim}{' with states' if dims.states else ''}")
-    return None
+    return fla_unverified_reason("fla's chunk_kda", FLA_KDA_VERIFIED, device, dtype, dims)
 
 
 def fla_kda(q, k, v, g, beta, table: RunTable, initial_state=None, output_final_state=False, torch_rule=None):

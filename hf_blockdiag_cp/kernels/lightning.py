@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .delta_rule import fla_device, run_in_buckets, torch_check
+from .delta_rule import fla_unverified_reason, run_in_buckets, torch_check
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 
@@ -92,13 +92,8 @@ FLA_LIGHTNING_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]
 
 
 def fla_lightning_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    reason, major = fla_device(device)
-    if reason is not None:
-        return reason
-    if (major, dtype, (dims.key_dim, dims.value_dim), dims.states) not in FLA_LIGHTNING_VERIFIED:
-        return (f"fla's chunk_simple_gla as lightning attention was not verified for compute capability {major}.x, "
-                f"{dtype}, head dims {dims.key_dim}x{dims.value_dim}{' with states' * dims.states} (verified: nowhere yet)")
-    return None
+    return fla_unverified_reason("fla's chunk_simple_gla as lightning attention", FLA_LIGHTNING_VERIFIED, device, dtype,
+                                 dims)
 
 
 def fla_lightning_attention(q, k, v, slope, table: RunTable, initial_state=None, output_final_state=False,

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from .delta_rule import fla_device
+from .delta_rule import fla_unverified_reason
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where fla's convolution was checked forward and backward against a float64 reference
@@ -55,12 +55,7 @@ TORCH = register_mixer_kernel(MixerKernelRecord("torch", "short_conv", torch_sho
 
 
 def fla_conv_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    reason, major = fla_device(device)
-    if reason is not None:
-        return reason
-    if (major, dtype) not in FLA_CONV_VERIFIED:
-        return f"the fla convolution was not verified for compute capability {major}.x and {dtype}"
-    return None
+    return fla_unverified_reason("the fla convolution", FLA_CONV_VERIFIED, device, dtype, dims, head_dims=False, states=False)
 
 
 def fla_short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: str | None, table: RunTable) -> torch.Tensor:

@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from .delta_rule import fla_device, run_in_buckets, torch_check
+from .delta_rule import fla_unverified_reason, run_in_buckets, torch_check
 from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
 
 # Where mamba-ssm's chunked scan was checked forward and backward against a float64 reference:
@@ -101,13 +101,8 @@ FLA_SSD_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozense
 
 
 def fla_ssd_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    reason, major = fla_device(device)
-    if reason is not None:
-        return reason
-    if (major, dtype, (dims.key_dim, dims.value_dim)) not in FLA_SSD_VERIFIED:
-        return (f"fla's chunk_simple_gla as the SSD scan was not verified for compute capability {major}.x, {dtype}, "
-                f"state {dims.key_dim} x head dim {dims.value_dim} (verified: nowhere yet)")
-    return None
+    return fla_unverified_reason("fla's chunk_simple_gla as the SSD scan", FLA_SSD_VERIFIED, device, dtype, dims,
+                                 states=False)
 
 
 def fla_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,

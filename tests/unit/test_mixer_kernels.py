@@ -133,6 +133,26 @@ def test_fla_is_refused_where_not_verified_and_auto_takes_torch():
         choose_mixer_kernel("gated_delta_rule", "causal_conv1d", torch.device("cpu"), torch.float32, dims)
 
 
+def test_fla_records_name_what_was_verified(monkeypatch):
+    """On a GPU fla can run on (simulated: compute capability 9), each fla record runs exactly the calls in
+    its verified set and otherwise says which it has, with states and head dims kept apart."""
+    from hf_blockdiag_cp.kernels import delta_rule, kda, lightning, short_conv, ssd
+
+    monkeypatch.setattr(delta_rule, "fla_device", lambda device: (None, 9))
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert delta_rule.fla_check(cuda, bf16, MixerDims(128, 128, states=True)) is None  # verified on the H200
+    reason = delta_rule.fla_check(cuda, bf16, MixerDims(64, 64, states=True))
+    assert "head dims 64x64 with initial and final states" in reason and "head dims 128x128 with initial" in reason
+    assert short_conv.fla_conv_check(cuda, bf16, MixerDims()) is None
+    assert "compute capability 9.x, float32 (verified: compute capability 9.x, bfloat16)" in short_conv.fla_conv_check(
+        cuda, torch.float32, MixerDims())
+    for check in (kda.fla_kda_check, ssd.fla_ssd_check, lightning.fla_lightning_check):
+        assert check(cuda, bf16, MixerDims(128, 128)).endswith("(verified: nowhere yet)")
+    monkeypatch.setattr(kda, "FLA_KDA_VERIFIED", frozenset({(9, bf16, (128, 128), False)}))
+    assert kda.fla_kda_check(cuda, bf16, MixerDims(128, 128)) is None
+    assert "with initial and final states" in kda.fla_kda_check(cuda, bf16, MixerDims(128, 128, states=True))
+
+
 def test_padding_runs_give_zero_outputs():
     table = _table([5, 3, 4], [True, False, True])
     q, k, v, decay, beta = _inputs(12, 1)
