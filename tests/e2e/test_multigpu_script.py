@@ -31,15 +31,21 @@ def run_script(out: Path, nproc: int, *args: str, timeout: float = 180) -> subpr
 
 
 def test_multigpu_script_cpu_smoke(tmp_path):
+    """All three parts in one torchrun; the e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP
+    over the CP ranks) and the exchange overlapped with attention runs its steps at G = 2 and records both."""
     out = tmp_path / "out"
-    proc = run_script(out, 2, "--parts", "attention,overlap")
+    proc = run_script(out, 2, "--parts", "attention,overlap,e2e", "--e2e-grad-sync", "ddp", "--e2e-overlap")
     result = json.loads((out / "multigpu_G2.json").read_text())
     assert (out / "multigpu_G2.md").exists() and (out / "raw" / "rank0.log").exists() and (out / "raw" / "rank1.log").exists()
     assert result["env"]["G"] == 2
     parts = result["parts"]
-    assert set(parts) == {"attention", "overlap"}
+    assert set(parts) == {"attention", "overlap", "e2e"}
     for name, part in parts.items():
         assert part["ok"], (name, part.get("error"))
+    e2e = parts["e2e"]["rows"]
+    assert [r["tokens"] for r in e2e] == [256, 512, 1024]
+    for r in e2e:
+        assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["layout"] == "contiguous" and r["status"] == "ok", r
 
     attention = [r for r in parts["attention"]["rows"] if r["pack"] != "ALL"]
     assert {r["setup"] for r in attention} == {"magi", "ringflash"}
@@ -68,15 +74,3 @@ def test_multigpu_script_cpu_smoke(tmp_path):
     assert text.count("| magi |") == 18 and text.count("| ringflash |") == 18  # one ALL row per exchange mode x layout
     assert text.count("allgather+overlap |") == 4 and text.count("allgather+overlap_keys |") == 4
 
-
-def test_multigpu_script_e2e_with_ddp_cpu_smoke(tmp_path):
-    """The e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP over the CP ranks) and the
-    exchange overlapped with attention runs its steps at G = 2 on gloo and records both."""
-    out = tmp_path / "out"
-    run_script(out, 2, "--parts", "e2e", "--e2e-grad-sync", "ddp", "--e2e-overlap")
-    rows = json.loads((out / "multigpu_G2.json").read_text())["parts"]["e2e"]["rows"]
-    assert [r["tokens"] for r in rows] == [256, 512, 1024]
-    for r in rows:
-        assert r["G"] == 2 and r["grad_sync"] == "ddp" and r["layout"] == "contiguous" and r["status"] == "ok", r
-        assert r["overlap"] == "queries", r
-        assert r["step_s"] > 0 and r["tokens_per_s_per_gpu"] > 0, r
