@@ -38,13 +38,13 @@ def enable_activation_checkpointing(model, **checkpoint_kwargs) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs)
 
 
-def checkpointing_call(model_name: str = "model") -> str:
+def checkpointing_call() -> str:
     """How to enable non-reentrant activation checkpointing with the installed Transformers (for messages)."""
     import transformers
 
     if hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable"):
-        return f"{model_name}.activation_checkpointing_enable(activation_checkpointing_kwargs={{'use_reentrant': False}})"
-    return f"{model_name}.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{'use_reentrant': False}})"
+        return "model.activation_checkpointing_enable(activation_checkpointing_kwargs={'use_reentrant': False})"
+    return "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
 
 
 def trainer_reads_loss_scaling_flag() -> bool:
