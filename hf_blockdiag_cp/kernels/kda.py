@@ -8,7 +8,7 @@ acts on the key axis, so state passing's transition pass (`mixers.state_passing`
   `chunk_kimi_delta_attention` (Transformers' torch fallback of fla's `chunk_kda`, passed in as
   `torch_rule`), restarted at every run; exact in fp32 and the reference.
 - `fla`: flash-linear-attention's varlen `chunk_kda` (`cu_seqlens`, one state per run), refused
-  wherever it was not verified on a GPU (`FLA_KDA_VERIFIED`, empty until a GPU run checks it).
+  wherever it was not verified on a GPU (`FLA_KDA_VERIFIED`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,11 @@ from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mix
 
 # Where fla's chunk_kda was checked forward and backward against the torch rule in fp32
 # (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv), with states),
-# as `delta_rule.FLA_VERIFIED`. Empty: not yet verified anywhere.
-FLA_KDA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset()
+# as `delta_rule.FLA_VERIFIED`. One H200, fla 0.6.0 with TileLang 0.1.15; docs/models.md (KDA).
+FLA_KDA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset({
+    (9, torch.bfloat16, (128, 128), False),
+    (9, torch.bfloat16, (128, 128), True),
+})
 
 TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule, torch_check, auto_priority=10))
 

@@ -146,11 +146,14 @@ def test_fla_records_name_what_was_verified(monkeypatch):
     assert short_conv.fla_conv_check(cuda, bf16, MixerDims()) is None
     assert "compute capability 9.x, float32 (verified: compute capability 9.x, bfloat16)" in short_conv.fla_conv_check(
         cuda, torch.float32, MixerDims())
-    for check in (kda.fla_kda_check, ssd.fla_ssd_check, lightning.fla_lightning_check):
-        assert check(cuda, bf16, MixerDims(128, 128)).endswith("(verified: nowhere yet)")
-    monkeypatch.setattr(kda, "FLA_KDA_VERIFIED", frozenset({(9, bf16, (128, 128), False)}))
-    assert kda.fla_kda_check(cuda, bf16, MixerDims(128, 128)) is None
-    assert "with initial and final states" in kda.fla_kda_check(cuda, bf16, MixerDims(128, 128, states=True))
+    for states in (False, True):
+        assert kda.fla_kda_check(cuda, bf16, MixerDims(128, 128, states=states)) is None
+    assert "head dims 64x64" in kda.fla_kda_check(cuda, bf16, MixerDims(64, 64))
+    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)).endswith("(verified: nowhere yet)")
+    monkeypatch.setattr(ssd, "FLA_SSD_VERIFIED", frozenset({(9, bf16, (128, 64))}))
+    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)) is None
+    assert lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128)) is None
+    assert "with initial and final states" in lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128, states=True))
 
 
 def test_padding_runs_give_zero_outputs():
