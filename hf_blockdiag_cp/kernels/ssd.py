@@ -10,8 +10,11 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
   length in one call, zero rows at each run's end), so the cost grows linearly with the runs.
 - `mamba_ssm`: mamba-ssm's Triton `mamba_chunk_scan_combined` with `seq_idx`, refused until it is
   verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
-- `fla`: the same scan as flash-linear-attention's varlen `chunk_simple_gla` (a scalar log-decay per
-  head and row, which is what SSD is), refused until verified on a GPU (`FLA_SSD_VERIFIED`).
+- `fla`: the same scan as flash-linear-attention's varlen `chunk_gla`, its log-decay per key channel
+  set to SSD's one per head and row, refused until verified on a GPU (`FLA_SSD_VERIFIED`).
+  `chunk_simple_gla` takes a scalar decay as is, but on Hopper its backward with a per-row decay
+  raises under Triton 3.4 to 3.7.0 (fla issue 640) and its TileLang path refuses the fp32 states it
+  keeps; GLA's backward has its own kernels.
 """
 
 from __future__ import annotations
@@ -94,33 +97,34 @@ MAMBA_SSM = register_mixer_kernel(MixerKernelRecord("mamba_ssm", "ssd_scan", mam
 
 # --------------------------------------------------------------------------- flash-linear-attention
 
-# Where fla's chunk_simple_gla, fed as `fla_ssd_scan` feeds it, was checked forward and backward (final
+# Where fla's chunk_gla, fed as `fla_ssd_scan` feeds it, was checked forward and backward (final
 # states included) against the torch scan in fp32 (tests/gpu/test_mixer_kernels_gpu.py): (compute
 # capability major, dtype, (state N, head dim P)). Empty: not yet verified anywhere.
 FLA_SSD_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozenset()
 
 
 def fla_ssd_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    return fla_unverified_reason("fla's chunk_simple_gla as the SSD scan", FLA_SSD_VERIFIED, device, dtype, dims,
+    return fla_unverified_reason("fla's chunk_gla as the SSD scan", FLA_SSD_VERIFIED, device, dtype, dims,
                                  states=False)
 
 
 def fla_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
                  torch_scan=None, chunk_size: int = 256):
-    """The SSD scan over every run of `table` as fla's varlen simple GLA: q = C and k = B (a group's
-    shared by its heads, as Transformers repeats them), v = dt·x, log-decay g = dt·A, scale 1, state
-    [P, N] per head (`state_v_first`, the torch scan's layout); y = o + D·x in fp32 as the torch scan
-    returns it."""
+    """The SSD scan over every run of `table` as fla's varlen GLA: q = C and k = B (a group's shared by
+    its heads, as Transformers repeats them), v = dt·x, log-decay dt·A on every key channel, scale 1,
+    state [P, N] per head (`state_v_first`, the torch scan's layout); y = o + D·x in fp32 as the torch
+    scan returns it."""
     del torch_scan, chunk_size
-    from fla.ops.simple_gla import chunk_simple_gla
+    from fla.ops.gla import chunk_gla
 
     if initial_state is not None:
         raise ValueError("fla_ssd_scan: initial states per run are not supported; state passing adds them")
     per_group = x.shape[1] // B.shape[1]
     q, k = (t.repeat_interleave(per_group, dim=1) for t in (C, B))
     v = (x.float() * dt[..., None]).to(x.dtype)
-    out, final = chunk_simple_gla(q[None], k[None], v[None], g=(dt * A)[None].float(), scale=1.0,
-                                  output_final_state=output_final_state, state_v_first=True, cu_seqlens=table.cu_seqlens)
+    log_decay = (dt * A).float()[..., None].expand(-1, -1, q.shape[-1])
+    out, final = chunk_gla(q[None], k[None], v[None], g=log_decay[None], scale=1.0,
+                           output_final_state=output_final_state, state_v_first=True, cu_seqlens=table.cu_seqlens)
     y = out[0].float() + D.float()[:, None] * x.float()
     return table.only_documents(y, final.float() if final is not None else None)
 

@@ -6,7 +6,7 @@ and the final states (what state passing feeds in and takes out), the outputs an
 initial state included, against the torch kernel in fp32. The criterion is docs/testing.md's: fla's
 bf16 error at most twice the torch kernel's own error fed the same bf16 inputs, plus a small floor.
 KDA (a log-decay per key channel) likewise, against Kimi Linear's torch rule, Mamba2's SSD scan as
-fla's simple GLA against NemotronH's torch scan, and MiniMax's lightning attention as fla's simple GLA
+fla's GLA against NemotronH's torch scan, and MiniMax's lightning attention as fla's simple GLA
 against our torch kernel. The convolution likewise, and ours in bf16 against Transformers' stock convolution in bf16. Skipped
 without CUDA and without flash-linear-attention (or its usable backend on this GPU).
 """
@@ -160,8 +160,8 @@ def _ssd_run(fn, inputs, dtype, table, probes):
     return [out, final] + [t.grad for t in leaves]
 
 
-def test_fla_simple_gla_as_the_ssd_scan_matches_fp32():
-    """Mamba2's scan through fla's chunk_simple_gla (`kernels.ssd.fla_ssd_scan`) against the family's torch
+def test_fla_gla_as_the_ssd_scan_matches_fp32():
+    """Mamba2's scan through fla's chunk_gla (`kernels.ssd.fla_ssd_scan`) against the family's torch
     scan in fp32: output, final states and the gradient of every input (`FLA_SSD_VERIFIED`)."""
     table = _table()
     rows, runs = table.num_rows, table.runs.lengths.numel()

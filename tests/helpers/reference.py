@@ -176,12 +176,15 @@ def check_layer_per_document(stock, patched, lengths, tol: float = 1e-5, seed: i
 
 def simple_gla_reference(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
                          state_v_first=False, cu_seqlens=None, **_):
-    """fla's `chunk_simple_gla` as its docstring defines it, in float64 and run by run, to check what our
-    records feed it on the CPU: S_t = exp(g_t)·S_{t-1} + k_t ⊗ v_t ([K, V] per head, [V, K] with
-    `state_v_first`; g per row `[1, T, H]` or `g_gamma [H]` for every row), o_t = scale·q_t·S_t, from
-    `initial_state` (zero: None) at each run of `cu_seqlens`."""
+    """fla's `chunk_simple_gla` and `chunk_gla` as their docstrings define them, in float64 and run by
+    run, to check what our records feed them on the CPU: S_t = diag(exp(g_t))·S_{t-1} + k_t ⊗ v_t
+    ([K, V] per head, [V, K] with `state_v_first`; g per row `[1, T, H]`, per row and key channel
+    `[1, T, H, K]` (GLA), or `g_gamma [H]` for every row), o_t = scale·q_t·S_t, from `initial_state`
+    (zero: None) at each run of `cu_seqlens`."""
     q, k, v = (t[0].double() for t in (q, k, v))
     log_decay = g[0].double() if g is not None else g_gamma.double().expand(q.shape[0], -1)
+    if log_decay.dim() == 2:  # one decay per head: the same on every key channel
+        log_decay = log_decay[..., None].expand(-1, -1, q.shape[-1])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, finals = torch.zeros_like(v), []
     bounds = cu_seqlens.tolist()
@@ -191,17 +194,25 @@ def simple_gla_reference(q, k, v, g=None, g_gamma=None, scale=None, initial_stat
             start = initial_state[i].double()
             state = start.transpose(-1, -2) if state_v_first else start
         for t in range(a, b):
-            state = torch.exp(log_decay[t])[:, None, None] * state + k[t][:, :, None] * v[t][:, None, :]
+            state = torch.exp(log_decay[t])[:, :, None] * state + k[t][:, :, None] * v[t][:, None, :]
             out[t] = scale * torch.einsum("hk,hkv->hv", q[t], state)
         finals.append(state.transpose(-1, -2) if state_v_first else state)
     return out[None].to(v.dtype), torch.stack(finals) if output_final_state else None
 
 
-def fake_fla_simple_gla(monkeypatch) -> None:
-    """Make `from fla.ops.simple_gla import chunk_simple_gla` give `simple_gla_reference` (fla absent on CPU)."""
+def fake_fla_gla(monkeypatch) -> None:
+    """Make `from fla.ops.simple_gla import chunk_simple_gla` and `from fla.ops.gla import chunk_gla` give
+    `simple_gla_reference` (fla absent on CPU)."""
     import sys
     import types
 
     for name in ("fla", "fla.ops"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", types.SimpleNamespace(chunk_simple_gla=simple_gla_reference))
+    monkeypatch.setitem(sys.modules, "fla.ops.gla", types.SimpleNamespace(chunk_gla=_gla_reference))
+
+
+def _gla_reference(q, k, v, g, **kwargs):
+    """`chunk_gla`: a gate per key channel, with fla's own check of the shapes."""
+    assert q.shape == k.shape == g.shape, "q, k, g must have the same shape."
+    return simple_gla_reference(q, k, v, g=g, **kwargs)

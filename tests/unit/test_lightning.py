@@ -23,7 +23,7 @@ from hf_blockdiag_cp.mixers import MixerContext, lightning_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, minimax
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import build_hybrid_pair, check_stock_outside_a_step, step_mixers
-from helpers.reference import fake_fla_simple_gla, rel_err
+from helpers.reference import fake_fla_gla, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row blocks of the tiny config
 
@@ -68,7 +68,7 @@ def test_fla_record_feeds_simple_gla_the_lightning_recurrence(monkeypatch):
     from hf_blockdiag_cp.kernels.lightning import fla_lightning_attention
     from hf_blockdiag_cp.kernels.mixer_registry import MixerDims
 
-    fake_fla_simple_gla(monkeypatch)
+    fake_fla_gla(monkeypatch)
     g = torch.Generator().manual_seed(1)
     rows, heads, key_dim, value_dim = 75, 3, 4, 5
     q, k = (torch.randn(rows, heads, key_dim, generator=g) for _ in range(2))

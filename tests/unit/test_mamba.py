@@ -30,7 +30,7 @@ from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from helpers.model_zoo import (MAMBA1_FAMILIES, MAMBA2_FAMILIES, build_hybrid_pair, check_stock_outside_a_step, step_mixers,
                                tiny_hybrid_config, two_document_row)
-from helpers.reference import check_layer_per_document, fake_fla_simple_gla, rel_err
+from helpers.reference import check_layer_per_document, fake_fla_gla, rel_err
 
 LENGTHS = (37, 1, 26)  # the first document crosses two 16-row chunks of the scan
 
@@ -72,13 +72,13 @@ def test_torch_kernel_equals_the_recurrence_per_run():
         assert rel_err(final[:3], ref_final[:3]) <= 1e-5
 
 
-def test_fla_ssd_scan_feeds_simple_gla_the_ssd_scan(monkeypatch):
-    """The SSD scan mapped onto simple GLA (q = C, k = B, v = dt·x, g = dt·A, state [P, N]) equals the
+def test_fla_ssd_scan_feeds_gla_the_ssd_scan(monkeypatch):
+    """The SSD scan mapped onto GLA (q = C, k = B, v = dt·x, g = dt·A on every key channel, state [P, N]) equals the
     float64 recurrence, with fla's kernel replaced by its documented definition: the mapping is checked
     here on every CI run; the GPU check (tests/gpu/test_mixer_kernels_gpu.py) checks fla's kernel."""
     from hf_blockdiag_cp.kernels.ssd import fla_ssd_scan
 
-    fake_fla_simple_gla(monkeypatch)
+    fake_fla_gla(monkeypatch)
     g = torch.Generator().manual_seed(3)
     rows, heads, head_dim, groups, state = 75, 4, 3, 2, 5
     x, B, C = torch.randn(rows, heads, head_dim, generator=g), torch.randn(rows, groups, state, generator=g), torch.randn(rows, groups, state, generator=g)
