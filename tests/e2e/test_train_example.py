@@ -4,8 +4,12 @@ stock eager model run on every document of the step's packs separately, updated 
 SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). Both example scripts
 reject a bad argument (sizes, kernel, exchange and layout names), or a one-process `accelerate
 launch` of a multi-process CPU run, with one line in every worker before any collective, alone and
-under torchrun. The main job's log names the kernel, exchange and layout it ran. The pure parts (the launch environment and the
-embedded corpus) are in unit/test_launcher_and_corpus.py."""
+under torchrun, and end every worker with one line when the kernel asked for cannot run. Each of
+those paths runs once under its real launcher (torchrun, accelerate launch); the other cases run the
+script's `__main__` in the test's process under the launcher's environment (`run_in_process`: no
+interpreter to start per case). The main job's log names the kernel, exchange and layout it ran.
+The pure parts (the launch environment and the embedded corpus) are in
+unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from hf_blockdiag_cp.data.corpus import decode_bytes
 from hf_blockdiag_cp.kernels import kernel_names
 from helpers.scripts import finish as _finish
 from helpers.scripts import free_port as _free_port
-from helpers.scripts import load_script
+from helpers.scripts import load_script, run_in_process
 from helpers.scripts import start as _start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -135,6 +139,26 @@ def test_argument_errors_name_the_flag(script, args, expected):
     assert reason is not None and reason.startswith(expected), reason
 
 
+BOGUS_BACKEND = "--attn-backend='bogus' is not a kernel; accepted: auto, " + ", ".join(kernel_names())
+FA4_UNAVAILABLE = ("attn_backend='fa4' cannot run here: flash-attn-4 (flash_attn.cute) does not import in this "
+                   "environment (install the [fa4] extra)")
+
+
+def _rank_env(rank: int) -> dict[str, str]:
+    """What torchrun exports to `rank` of a 2-process world (the peer is never started)."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()))
+
+
+def _check_one_line_exit(status, out: str, err: str, expected: str, what, exact: bool = False) -> None:
+    """Exit status 2, the output ending with `error: <expected>` (`exact`) or `error: <expected...>`,
+    the only `error:` line, and no traceback."""
+    lines = (out + err).strip().splitlines()
+    assert status == 2, (what, status, lines[-5:])
+    assert lines[-1] == f"error: {expected}" if exact else lines[-1].startswith(f"error: {expected}"), (what, lines[-5:])
+    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in err, (what, lines)
+
+
 @pytest.mark.parametrize(
     "script, rank, args, expected",
     [
@@ -144,76 +168,99 @@ def test_argument_errors_name_the_flag(script, args, expected):
         ("train_packed.py", 1, ["--overlap", "--kv-exchange", "heads"],
          "--overlap=queries with --kv-exchange='heads' --attn-backend='auto': overlap='queries' needs a kv_exchange "
          "that can overlap attention"),
+        ("trainer_packed.py", 0, ["--attn-backend", "bogus"], BOGUS_BACKEND),  # both ranks: torchrun's two workers
+        ("trainer_packed.py", 1, ["--attn-backend", "bogus"], BOGUS_BACKEND),
     ],
 )
-def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(script, rank, args, expected):
-    """One rank of a 2-process world, started alone: had it reached the process group (or any
-    collective) it would wait for its missing peer until the timeout. It must instead exit 2 at
-    once, its output ending with the one-line reason and holding no traceback. One case per kind of
-    check (sizes, argparse ranges, the data file, the CPConfig fields), over both scripts and ranks."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank),
-               WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)
-    lines = _output_lines(run)
-    assert run.returncode == 2, lines[-5:]
-    assert lines[-1].startswith(f"error: {expected}"), lines[-5:]
-    assert sum(line.startswith("error:") for line in lines) == 1 and "Traceback" not in run.stderr, lines
+def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(monkeypatch, capsys, script, rank, args,
+                                                                         expected):
+    """One rank of a 2-process world, alone, as torchrun would start it (its `__main__` block run in
+    this process under torchrun's variables): had it reached the process group it would wait for its
+    missing peer until the timeout (here reaching `init_process_group` fails the test). It must
+    instead exit 2 at once, its output ending with the one-line reason and holding no traceback. One
+    case per kind of check (sizes, argparse ranges, the data file, the CPConfig fields), over both
+    scripts and ranks; real launches: sft_trl.py's lone rank (test_sft_example.py) and torchrun's
+    workers of train_packed.py below."""
+    status, out, err = run_in_process(monkeypatch, capsys, ROOT / "examples" / script, args, _rank_env(rank))
+    _check_one_line_exit(status, out, err, expected, (script, rank), exact=expected == BOGUS_BACKEND)
+    assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])
-def test_bad_backend_under_torchrun_ends_the_workers_with_one_line(script):
+def test_bad_backend_under_torchrun_ends_the_workers_with_one_line():
     """Under torchrun itself: every worker that gets to print says the same single `error:` line
     and exits 2 (torchrun may stop the second worker first), and no worker prints a traceback;
-    what remains is torchrun's own report of the failed workers."""
+    what remains is torchrun's own report of the failed workers. (trainer_packed.py's workers: the
+    in-process cases above.)"""
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--attn-backend", "bogus"], cwd=ROOT, env=env,
+    run = subprocess.run([*launch, str(EXAMPLE), "--attn-backend", "bogus"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=RUN_TIMEOUT)
     lines = _output_lines(run)
     errors = [line for line in lines if line.startswith("error:")]
     assert run.returncode != 0 and errors, lines[-20:]
-    assert set(errors) == {"error: --attn-backend='bogus' is not a kernel; accepted: auto, " + ", ".join(kernel_names())}
+    assert set(errors) == {f"error: {BOGUS_BACKEND}"}
     assert "exitcode  : 2" in run.stderr, lines[-20:]  # torchrun's summary of the first failed worker
     assert not any(line.startswith("[rank") for line in lines), lines[:20]  # a worker's traceback
 
 
-@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py"])
-def test_one_process_accelerate_cpu_launch_names_torchrun(script):
+# What accelerate's simple launcher (`accelerate launch --cpu --num_processes 2`, no MPI) exports to the one
+# process it starts (accelerate.utils.launch.prepare_simple_launcher_cmd_env): no world size.
+ACCELERATE_CPU_ENV = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("script, launched", [("train_packed.py", True), ("trainer_packed.py", False)],
+                         ids=["train_packed.py-accelerate", "trainer_packed.py-in-process"])
+def test_one_process_accelerate_cpu_launch_names_torchrun(monkeypatch, capsys, script, launched):
     """`accelerate launch --cpu --num_processes 2` without MPI starts the script once, without a
-    world size: the script must stop with the torchrun command to use instead, not train alone."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
+    world size: the script must stop with the torchrun command to use instead, not train alone.
+    train_packed.py under the real launcher; trainer_packed.py in this process under the variables
+    that launcher exports."""
     path = str(ROOT / "examples" / script)
-    run = subprocess.run([*launch, path, "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT)
-    errors = [line for line in _output_lines(run) if line.startswith("error:")]
-    assert run.returncode != 0
-    assert len(errors) == 1, _output_lines(run)[-10:]
+    if launched:
+        launch = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.pop("WORLD_SIZE", None)
+        run = subprocess.run([*launch, path, "--steps", "1"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=RUN_TIMEOUT)
+        failed, lines = run.returncode != 0, _output_lines(run)
+    else:
+        status, out, err = run_in_process(monkeypatch, capsys, Path(path), ["--steps", "1"], ACCELERATE_CPU_ENV)
+        failed, lines = status not in (0, None), (out + err).strip().splitlines()
+    errors = [line for line in lines if line.startswith("error:")]
+    assert failed
+    assert len(errors) == 1, lines[-10:]
     assert f"`torchrun --standalone --nproc-per-node N {path} --steps 1`" in errors[0], errors
 
 
 @pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py", "sft_trl.py"])
-def test_unavailable_kernel_ends_the_workers_with_one_line(script, tmp_path):
+def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, script, tmp_path):
     """`--attn-backend fa4` where flash-attn-4 does not import: known, so the launch check lets it
     pass, and the first attention call finds it cannot run. Every worker that gets to print says so
-    in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report)."""
+    in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report).
+    trainer_packed.py under torchrun; train_packed.py and sft_trl.py as one process (`python
+    script`), their `__main__` run in this process, which must end at its `os._exit(2)`."""
     from hf_blockdiag_cp.kernels.fa4 import available
 
     if available():
         pytest.skip("flash-attn-4 imports here")
     if script == "sft_trl.py":
         pytest.importorskip("trl")
+    path, args = ROOT / "examples" / script, ["--attn-backend", "fa4", "--steps", "1", "--output-dir", str(tmp_path)]
+    if script != "trainer_packed.py":
+        status, out, err = run_in_process(monkeypatch, capsys, path, args, {}, process_group=True)
+        lines = (out + err).strip().splitlines()  # (here the progress bar's finaliser may still print after it)
+        assert status == 2 and [line for line in lines if line.startswith("error:")] == [f"error: {FA4_UNAVAILABLE}"], \
+            (status, lines[-20:])
+        assert "Traceback" not in err and "raise ValueError" not in err, lines
+        return
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*launch, str(ROOT / "examples" / script), "--attn-backend", "fa4", "--steps", "1",
-                          "--output-dir", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    run = subprocess.run([*launch, str(path), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT)
     lines = _output_lines(run)
     errors = [line for line in lines if line.startswith("error:")]
     assert run.returncode != 0 and errors, lines[-20:]
-    assert set(errors) == {"error: attn_backend='fa4' cannot run here: flash-attn-4 (flash_attn.cute) does not import "
-                           "in this environment (install the [fa4] extra)"}, lines[-20:]
+    assert set(errors) == {f"error: {FA4_UNAVAILABLE}"}, lines[-20:]
     assert "exitcode  : 2" in run.stderr, lines[-20:]
     assert run.stderr.count("Traceback (most recent call last)") <= 1 and "raise ValueError" not in run.stderr, lines
 
