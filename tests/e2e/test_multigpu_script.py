@@ -2,7 +2,8 @@
 
 Checks the JSON the script writes: attention and overlap rows for every exchange (each also
 overlapped) x layout with
-positive times, the e2e part's steps, and the summary over runs. (The exactness of CP on several
+positive times, the e2e part's steps, and the summary over runs (`--summarize` starts no process
+group: its `main` runs in the test's process). (The exactness of CP on several
 ranks is tested in tests/multiprocess/test_cp_parity_matrix.py and tests/gpu/test_nccl_parity.py.)
 """
 
@@ -13,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"
@@ -67,9 +70,8 @@ def test_multigpu_script_cpu_smoke(tmp_path):
             assert r[key] > 0, (key, r)
     assert "part | ok | s | headline" in proc.stdout  # the short table is printed last
 
-    summary = tmp_path / "summary"
-    subprocess.run([sys.executable, str(SCRIPT), "--summarize", str(out), "--out", str(summary)], cwd=REPO, check=True,
-                   capture_output=True, timeout=120)
+    summary = tmp_path / "summary"  # `python benchmarks/multigpu.py --summarize`: no process group, so in this process
+    load_script(SCRIPT, "multigpu_script").main(["--summarize", str(out), "--out", str(summary)])
     text = (summary / "scaling.md").read_text()
     assert text.count("| magi |") == 18 and text.count("| ringflash |") == 18  # one ALL row per exchange mode x layout
     assert text.count("allgather+overlap |") == 4 and text.count("allgather+overlap_keys |") == 4

@@ -1,10 +1,11 @@
 """Every complete Python example of README.md (each ```python block is one) runs as written on CPU
 under `torchrun --standalone --nproc-per-node 2`, with only `"your/model"` replaced by a tiny local
 Llama saved with `save_pretrained`; the quick start also as `python train.py`, one process (a CP
-group of one). Checks appended per section compare with an independent reference: the quick
-start's CP loss, averaged over the CP group, equals the stock eager model's token-weighted loss
-over each document of the pack alone; the Trainer example trains as one 2-process run, and its
-sharded `evaluate()` equals the stock eager model with the trained weights on each document alone.
+group of one; its `__main__` run in the test's process). Checks appended per section compare with
+an independent reference: the quick start's CP loss, averaged over the CP group, equals the stock
+eager model's token-weighted loss over each document of the pack alone; the Trainer example trains
+as one 2-process run, and its sharded `evaluate()` equals the stock eager model with the trained
+weights on each document alone (the two ranks run half the documents each and add their sums).
 A Trainer launched by torchrun on CPU without `use_cpu=True` stops with an error that names the fix."""
 
 from __future__ import annotations
@@ -18,21 +19,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.scripts import run_in_process
+
 ROOT = Path(__file__).resolve().parents[2]
 DONE = "README example done on rank"
 
-# The stock eager model's token-weighted loss over `documents` (1-D id tensors), each alone.
+# The stock eager model's token-weighted loss over `documents` (1-D id tensors), each alone; with
+# `group`, each rank of it runs every world-size-th document and the sums are added over the group.
 REFERENCE = '''
 import torch.nn.functional as F
 
 
-def reference_loss(model, documents):
-    total, targets = 0.0, 0
+def reference_loss(model, documents, group=None):
+    import torch.distributed as dist
+
+    rank, size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    sums = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        for doc in documents:
-            total += F.cross_entropy(model(input_ids=doc[None]).logits[0, :-1], doc[1:], reduction="sum").item()
-            targets += doc.numel() - 1
-    return total / targets
+        for doc in documents[rank::size]:
+            sums[0] += F.cross_entropy(model(input_ids=doc[None]).logits[0, :-1], doc[1:], reduction="sum").item()
+            sums[1] += doc.numel() - 1
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    return (sums[0] / sums[1]).item()
 '''
 
 # Appended to a section's example, on every rank.
@@ -56,7 +65,9 @@ assert logged == list(range(args.logging_steps, args.max_steps + 1, args.logging
 metrics = trainer.evaluate(eval_dataset=docs)
 reference = AutoModelForCausalLM.from_pretrained(MODEL, attn_implementation="eager", dtype=torch.float32)
 reference.load_state_dict(trainer.model.state_dict())  # the trained weights
-want = reference_loss(reference, [torch.tensor(d["input_ids"]) for d in docs])
+import torch.distributed as dist  # the Trainer's process group: the 256 documents split over the 2 ranks
+
+want = reference_loss(reference, [torch.tensor(d["input_ids"]) for d in docs], dist.group.WORLD)
 assert abs(metrics["eval_loss"] - want) <= 1e-5 * want, (metrics["eval_loss"], want)
 ''',
 }
@@ -84,9 +95,9 @@ def _tiny_model(path: Path) -> str:
     return str(path)
 
 
-def _torchrun(script: Path, cwd: Path, processes: int | None = 2) -> tuple[int, str]:
-    """Run `script` under torchrun with `processes` processes, or as `python script` (None)."""
-    launcher = [] if processes is None else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
+    """Run `script` under torchrun with 2 processes."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     run = subprocess.run(
         [sys.executable, *launcher, str(script)],
         cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True, text=True,
@@ -119,13 +130,16 @@ def test_readme_example_runs_under_torchrun_on_cpu(tmp_path, heading, code):
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1"], out[-3000:]
 
 
-def test_quick_start_runs_as_one_process(tmp_path):
-    """`python train.py`: one process is a CP group of one, and the loss is the per-document reference's."""
+def test_quick_start_runs_as_one_process(monkeypatch, capsys, tmp_path):
+    """`python train.py`: one process is a CP group of one, and the loss is the per-document reference's.
+    Run in this process (the script as `__main__`, no launcher variables): no interpreter to start."""
     if torch.cuda.is_available():
         pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
-    rc, out = _torchrun(_example_script(tmp_path, "Quick start", dict(python_examples())["Quick start"]), tmp_path, None)
-    assert rc == 0, out[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"], out[-3000:]
+    script = _example_script(tmp_path, "Quick start", dict(python_examples())["Quick start"])
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_in_process(monkeypatch, capsys, script, [], {}, process_group=True)
+    assert status in (None, 0), (out + err)[-3000:]
+    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"], (out + err)[-3000:]
 
 
 def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
