@@ -12,9 +12,9 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
   verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
 - `fla`: the same scan as flash-linear-attention's varlen `chunk_gla`, its log-decay per key channel
   set to SSD's one per head and row, refused until verified on a GPU (`FLA_SSD_VERIFIED`).
-  `chunk_simple_gla` takes a scalar decay as is, but on Hopper its backward with a per-row decay
-  raises under Triton 3.4 to 3.7.0 (fla issue 640) and its TileLang path refuses the fp32 states it
-  keeps; GLA's backward has its own kernels.
+  `chunk_simple_gla` takes a scalar decay as is, but on Hopper fla 0.6.0 raises in its backward with
+  a per-row decay under Triton 3.4 to 3.7.0, and its TileLang path refuses the fp32 states it keeps;
+  GLA's backward has its own kernels (docs/models.md, "Kernels").
 """
 
 from __future__ import annotations

@@ -173,7 +173,6 @@ def check_layer_per_document(stock, patched, lengths, tol: float = 1e-5, seed: i
         assert rel_err(stock(x), ref_out) > 1e-3  # stock on the pack: documents leak into each other
 
 
-
 def simple_gla_reference(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False,
                          state_v_first=False, cu_seqlens=None, **_):
     """fla's `chunk_simple_gla` and `chunk_gla` as their docstrings define them, in float64 and run by
