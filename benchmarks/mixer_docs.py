@@ -26,7 +26,8 @@ def build_layer(args):
         fields.update(TINY_LINEAR, hidden_size=64, vocab_size=101)
     config = transformers.Qwen3_5TextConfig(**fields)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    with torch.device(args.device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
     apply_model_patches(model)
     return model.model.layers[0].linear_attn.to(args.device)
 

@@ -8,7 +8,8 @@ transports under the same handicap, not what NCCL between GPUs gives. Bytes are 
 forward and backward (`planning.mixer_plan.transport_bytes`). On a GPU the parent process runs the layer
 once on each pack first, with Triton's autotuning results cached on disk (`TRITON_CACHE_AUTOTUNING=1`),
 so the G ranks find their kernels compiled and tuned instead of autotuning side by side on one device.
-Each row is printed as it is measured and the JSON rewritten after each CP size.
+Each row is printed and appended to `mixer_transports.jsonl` as it is measured; the JSON is rewritten after
+each CP size, and a failing rank stops the run (`torch.multiprocessing.spawn`).
 
     python benchmarks/mixer_transports.py --out bench_out/mixer_transports        # one GPU
     python benchmarks/mixer_transports.py --device cpu --small --seq-lens 2048 --cp-sizes 2   # smoke run
@@ -17,6 +18,7 @@ Each row is printed as it is measured and the JSON rewritten after each CP size.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -80,7 +82,7 @@ def warm_kernels(args) -> None:
     torch.cuda.empty_cache()
 
 
-def worker(rank, world_size, port, args, out):
+def worker(rank, world_size, port, args, rows_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     device = torch.device(args.device)
@@ -108,8 +110,8 @@ def worker(rank, world_size, port, args, out):
                              "auto_chooses": choose_mixer_transport("auto", layout, shape)})
                 if rank == 0:
                     print(rows[-1], flush=True)
-    if rank == 0:
-        out.put(rows)
+                    with open(rows_path, "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
     dist.destroy_process_group()
 
 
@@ -128,19 +130,16 @@ def main() -> None:
         started = time.perf_counter()
         warm_kernels(args)
         print(f"kernels compiled and tuned in {time.perf_counter() - started:.1f} s", flush=True)
-    rows = []
-    ctx = mp.get_context("spawn")
+    os.makedirs(args.out, exist_ok=True)
+    rows_path = f"{args.out}/mixer_transports.jsonl"  # rank 0 appends each row as measured
+    open(rows_path, "w").close()
     for g in args.cp_sizes:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        out = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, g, port, args, out)) for r in range(g)]
-        for proc in procs:
-            proc.start()
-        rows += out.get()
-        for proc in procs:
-            proc.join()
+        mp.spawn(worker, args=(g, port, args, rows_path), nprocs=g)  # raises if any rank fails
+        with open(rows_path) as f:
+            rows = [json.loads(line) for line in f]
         write_json(f"{args.out}/mixer_transports.json", {"env": environment(), "args": vars(args), "rows": rows})
     print(markdown_table(rows, list(rows[0])))
 
