@@ -87,10 +87,11 @@ TORCH = register_mixer_kernel(MixerKernelRecord("torch", "lightning_attention", 
 
 # Where fla's chunk_simple_gla, fed as `fla_lightning_attention` feeds it, was checked forward and backward
 # against the torch kernel in fp32 (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major,
-# dtype, (Dk, Dv), with states), as `delta_rule.FLA_VERIFIED`. One H200, fla 0.6.0; without states
-# only: the check with states has not run yet (docs/models.md, lightning attention).
+# dtype, (Dk, Dv), with states), as `delta_rule.FLA_VERIFIED`. One H200, fla 0.6.0, without and with
+# states (docs/models.md, "Kernels").
 FLA_LIGHTNING_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset({
     (9, torch.bfloat16, (128, 128), False),
+    (9, torch.bfloat16, (128, 128), True),
 })
 
 

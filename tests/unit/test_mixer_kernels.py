@@ -152,8 +152,10 @@ def test_fla_records_name_what_was_verified(monkeypatch):
     assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)).endswith("(verified: nowhere yet)")
     monkeypatch.setattr(ssd, "FLA_SSD_VERIFIED", frozenset({(9, bf16, (128, 64))}))
     assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)) is None
-    assert lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128)) is None
-    assert "with initial and final states" in lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128, states=True))
+    for states in (False, True):
+        assert lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128, states=states)) is None
+    assert "head dims 64x64 with initial and final states" in lightning.fla_lightning_check(
+        cuda, bf16, MixerDims(64, 64, states=True))
 
 
 def test_padding_runs_give_zero_outputs():
