@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.data.corpus import decode_bytes
 from hf_blockdiag_cp.kernels import kernel_names
+from hf_blockdiag_cp.step.state import log_choices
 from helpers.scripts import finish as _finish
 from helpers.scripts import free_port as _free_port
 from helpers.scripts import load_script, run_in_process
@@ -78,20 +79,23 @@ def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
 
 @pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", "keys"), ("nemotron_h", False), ("lfm2", False)],
                          ids=["llama", "qwen3_5-overlap-keys", "nemotron_h", "lfm2"])
-def test_cp2_run_matches_one_process_and_reference(tmp_path, arch, overlap):
+def test_cp2_run_matches_one_process_and_reference(tmp_path, monkeypatch, capsys, caplog, arch, overlap):
     """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP,
     with `--overlap keys` on its full-attention layers' all-gather (overlapped with attention split by
     keys; the hybrid without overlap is tests/multiprocess/test_hybrid_parity.py's); for the tiny Nemotron-H (`--tiny-arch nemotron_h`): its Mamba2 layers by state passing; and for
     the tiny LFM2 (`--tiny-arch lfm2`): its short convolutions with their halo passed between ranks."""
     args = [*ARGS, "--tiny-arch", arch, *(["--overlap", overlap] if overlap else [])]
     one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    one = _start([sys.executable, str(EXAMPLE), *args, "--output-dir", str(one_dir)], tmp_path / "one.log")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     two = _start([*launch, str(EXAMPLE), *args, "--output-dir", str(two_dir)], tmp_path / "two.log")
-    try:
+    try:  # the one-process run (`python train_packed.py`) in this process while torchrun's ranks run; its log
+        log_choices.cache_clear()  # lines reach pytest's handlers (caplog), and are said once per process
+        status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*args, "--output-dir", str(one_dir)], {},
+                                          process_group=True)
+        assert status in (None, 0), (out + err)[-3000:]
+        (tmp_path / "one.log").write_text(out + err + caplog.text)
         reference = reference_losses(STEPS, args)
     finally:
-        _finish(one, tmp_path / "one.log", "1-process run")
         _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
 
     single = json.loads((one_dir / "metrics.json").read_text())
