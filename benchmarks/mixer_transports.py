@@ -46,22 +46,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_layer(layer, step, transport, hidden, probe, calls: int) -> float:
-    """Median seconds of one fwd+bwd of the layer's token mixer on this rank (every rank calls alike)."""
-    ctx = MixerContext.from_step(step)
-    ctx.transport = transport
+def time_layer(layer, step, hidden, probe, calls: int) -> tuple[float, str]:
+    """Median seconds of one fwd+bwd of the layer's token mixer on this rank (every rank calls alike),
+    and what the mixer ran (`MixerContext.describe`)."""
     spec = mixer_layer(layer)
     times = []
     for i in range(calls + 1):
+        ctx = MixerContext.from_step(step)
         _sync(hidden.device)
-        dist.barrier()
+        dist.barrier(group=step.group)
         t0 = time.perf_counter()
         mixed, _, b, a = _project(layer, hidden)
         (gated_delta_mix(spec, mixed, b, a, ctx) * probe).sum().backward()
         _sync(hidden.device)
         if i:  # the first call compiles and autotunes
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), ctx.describe()
 
 
 def packs(seq_len: int, args) -> dict[str, list[int]]:
@@ -82,40 +82,49 @@ def warm_kernels(args) -> None:
     torch.cuda.empty_cache()
 
 
-def worker(rank, world_size, port, args, rows_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def measure(rank: int, world_size: int, group, args, rows_path: str | None = None) -> list[dict]:
+    """Every row of one CP size, each transport run by a step configured for it
+    (`CPConfig.mixer_transport`); rank 0 appends each row to `rows_path` as it is measured."""
     device = torch.device(args.device)
     layer = mixer_docs.build_layer(args)
+    spec = mixer_layer(layer)
     rows = []
     for seq_len in args.seq_lens:
         for name, lengths in packs(seq_len, args).items():
             ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
             batch = {"input_ids": ids, "labels": ids, "document_ids": document_ids_from_lengths(lengths, seq_len)[None].to(device)}
-            _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
-            step = local[STEP_KWARG]
+            _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
             g = torch.Generator().manual_seed(rank)
             hidden = torch.randn(layout.local_len, layer.hidden_size, generator=g).to(device, layer.out_proj.weight.dtype)
             hidden.requires_grad_(True)
-            spec = mixer_layer(layer)
+            probe = torch.randn(layout.local_len, spec.value_heads, spec.value_dim, generator=g).to(device, hidden.dtype)
             shape = spec.shape(hidden.element_size())
-            moved = transport_bytes(layout, shape)
-            for transport in moved:
-                seconds = time_layer(layer, step, transport, hidden, torch.randn(layout.local_len, spec.value_heads,
-                                     spec.value_dim, generator=g).to(device, hidden.dtype), args.calls)
+            for transport, moved in transport_bytes(layout, shape).items():
+                config = bdcp.CPConfig(mixer_transport=transport)
+                _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
+                seconds, ran = time_layer(layer, local[STEP_KWARG], hidden, probe, args.calls)
+                if f"transport={transport}" not in ran.split():
+                    raise RuntimeError(f"mixer_transport={transport!r} ran {ran!r}")
                 worst = torch.tensor([seconds])
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
                 rows.append({"pack": name, "seq_len": seq_len, "docs": len(lengths), "G": world_size, "transport": transport,
-                             "mib_per_layer": round(moved[transport] / 2**20, 2), "ms_per_layer": round(float(worst) * 1e3, 2),
-                             "auto_chooses": choose_mixer_transport("auto", layout, shape)})
-                if rank == 0:
+                             "mib_per_layer": round(moved / 2**20, 2), "ms_per_layer": round(float(worst) * 1e3, 2),
+                             "auto_chooses": choose_mixer_transport("auto", layout, shape), "ran": ran})
+                if rank == 0 and rows_path is not None:
                     print(rows[-1], flush=True)
                     with open(rows_path, "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
+    return rows
+
+
+def worker(rank, world_size, port, args, rows_path):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    measure(rank, world_size, dist.group.WORLD, args, rows_path)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-lens", type=int, nargs="+", default=[16384, 65536])
     p.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4])
@@ -125,7 +134,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="bench_out/mixer_transports")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.device == "cuda":
         started = time.perf_counter()
         warm_kernels(args)
