@@ -220,7 +220,8 @@ def enable_checkpoint_offload(model: torch.nn.Module) -> int:
         keywords = dict(getattr(func, "keywords", None) or {})
         if getattr(func, "func", None) is not checkpoint or keywords.get("use_reentrant", True) is not False:
             raise ValueError(f"enable_checkpoint_offload: {type(layer).__name__} checkpoints with {func!r}; expected "
-                             "torch.utils.checkpoint.checkpoint with use_reentrant=False")
+                             "torch.utils.checkpoint.checkpoint with use_reentrant=False (Transformers' own "
+                             "activation_checkpointing_enable(offload=True) wraps it: use that offload or this one)")
         offload = offload or CheckpointOffload(keywords)
         if outer is func:
             set_checkpoint_function(layer, offload)

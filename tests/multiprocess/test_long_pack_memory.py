@@ -5,6 +5,8 @@ separately, at cp = 1, 2 and 3 (documents over every rank, tiles smaller than a 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -55,6 +57,11 @@ def test_offload_needs_non_reentrant_checkpointing():
     enable_activation_checkpointing(model, use_reentrant=True)
     with pytest.raises(ValueError, match="use_reentrant=False"):
         enable_checkpoint_offload(model)
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.23
+    if enable is not None and "offload" in inspect.signature(enable).parameters:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+        with pytest.raises(ValueError, match=r"activation_checkpointing_enable\(offload=True\)"):
+            enable_checkpoint_offload(model)
 
 
 def test_tiled_mlp_refuses_bad_tiles_and_non_tensor_outputs():
