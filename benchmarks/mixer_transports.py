@@ -3,14 +3,15 @@ and what `auto` chooses, at each CP size, on the packs of `bench model` (log-nor
 one document that fills the pack.
 
 G processes form a gloo group; on one GPU they share it (NCCL cannot put two ranks on one GPU), so the
-times include gloo's host copies over loopback TCP and G ranks' kernels queued on one device. Gloo moves
-bytes far slower than NCCL between GPUs, so here the bytes weigh more than they would there. Bytes are the busiest rank's,
-forward and backward (`planning.mixer_plan.transport_bytes`). On a GPU the parent process runs the layer
-once on each pack first, with Triton's autotuning results cached on disk (`TRITON_CACHE_AUTOTUNING=1`),
-so the G ranks find their kernels compiled and tuned instead of autotuning side by side on one device.
-Each transport runs in a step configured for it (`CPConfig.mixer_transport`) and its row names what
-ran; each row is printed and appended to `mixer_transports.jsonl` as it is measured; the JSON is rewritten after
-each CP size, and a failing rank stops the run (`torch.multiprocessing.spawn`).
+times include gloo's host copies over loopback TCP and G ranks' kernels queued on one device. Gloo
+moves bytes far slower than NCCL between GPUs, so here the bytes weigh more than they would there.
+Bytes are the busiest rank's, forward and backward (`planning.mixer_plan.transport_bytes`). On a GPU
+the parent process runs the layer once on each pack first, with Triton's autotuning results cached on
+disk (`TRITON_CACHE_AUTOTUNING=1`), so the G ranks find their kernels compiled and tuned instead of
+autotuning side by side on one device. Each transport runs in a step configured for it
+(`CPConfig.mixer_transport`) and its row names what ran. Each row is printed and appended to
+`mixer_transports.jsonl` as it is measured; the JSON is rewritten after each CP size, and a failing
+rank stops the run (`torch.multiprocessing.spawn`).
 
     python benchmarks/mixer_transports.py --out bench_out/mixer_transports        # one GPU
     python benchmarks/mixer_transports.py --device cpu --small --seq-lens 2048 --cp-sizes 2   # smoke run
@@ -51,9 +52,9 @@ def time_layer(layer, step, hidden, probe, calls: int) -> tuple[float, str]:
     """Median seconds of one fwd+bwd of the layer's token mixer on this rank (every rank calls alike),
     and what the mixer ran (`MixerContext.describe`)."""
     spec = mixer_layer(layer)
+    ctx = MixerContext.from_step(step)
     times = []
     for i in range(calls + 1):
-        ctx = MixerContext.from_step(step)
         _sync(hidden.device)
         dist.barrier(group=step.group)
         t0 = time.perf_counter()
