@@ -4,7 +4,9 @@ one document that fills the pack.
 
 G processes form a gloo group; on one GPU they share it (NCCL cannot put two ranks on one GPU), so the
 times include gloo's host copies over loopback TCP and G ranks' kernels queued on one device. Gloo
-moves bytes far slower than NCCL between GPUs, so here the bytes weigh more than they would there.
+moves bytes far slower than NCCL between GPUs, so here the bytes weigh more than they would there;
+`auto_chooses` is what a step's `auto` takes on this group, which weighs bytes at its backend's rate
+(`planning.mixer_plan.mixer_cost_for`).
 Bytes are the busiest rank's, forward and backward (`planning.mixer_plan.transport_bytes`). On a GPU
 the parent process runs the layer once on each pack first, with Triton's autotuning results cached on
 disk (`TRITON_CACHE_AUTOTUNING=1`), so the G ranks find their kernels compiled and tuned instead of
@@ -37,7 +39,7 @@ from hf_blockdiag_cp.bench.common import environment, lognormal_lengths, markdow
 from hf_blockdiag_cp.mixers import MixerContext, gated_delta_mix
 from hf_blockdiag_cp.model_patches.gated_delta import _project, mixer_layer
 from hf_blockdiag_cp.planning import document_ids_from_lengths
-from hf_blockdiag_cp.planning.mixer_plan import choose_mixer_transport, transport_bytes
+from hf_blockdiag_cp.planning.mixer_plan import transport_bytes
 from hf_blockdiag_cp.step.state import STEP_KWARG
 
 import mixer_docs  # noqa: E402  (the same layer as the documents benchmark)
@@ -95,12 +97,13 @@ def measure(rank: int, world_size: int, group, args, rows_path: str | None = Non
         for name, lengths in packs(seq_len, args).items():
             ids = torch.zeros(1, seq_len, dtype=torch.long, device=device)
             batch = {"input_ids": ids, "labels": ids, "document_ids": document_ids_from_lengths(lengths, seq_len)[None].to(device)}
-            _, _, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+            _, auto_local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)  # mixer_transport="auto"
             g = torch.Generator().manual_seed(rank)
             hidden = torch.randn(layout.local_len, layer.hidden_size, generator=g).to(device, layer.out_proj.weight.dtype)
             hidden.requires_grad_(True)
             probe = torch.randn(layout.local_len, spec.value_heads, spec.value_dim, generator=g).to(device, hidden.dtype)
             shape = spec.shape(hidden.element_size())
+            chosen = MixerContext.from_step(auto_local[STEP_KWARG]).transport_for(shape)  # what the step's `auto` takes
             for transport, moved in transport_bytes(layout, shape).items():
                 config = bdcp.CPConfig(mixer_transport=transport)
                 _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)
@@ -111,7 +114,7 @@ def measure(rank: int, world_size: int, group, args, rows_path: str | None = Non
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)
                 rows.append({"pack": name, "seq_len": seq_len, "docs": len(lengths), "G": world_size, "transport": transport,
                              "mib_per_layer": round(moved / 2**20, 2), "ms_per_layer": round(float(worst) * 1e3, 2),
-                             "auto_chooses": choose_mixer_transport("auto", layout, shape), "ran": ran})
+                             "auto_chooses": chosen, "ran": ran})
                 if rank == 0 and rows_path is not None:
                     print(rows[-1], flush=True)
                     with open(rows_path, "a") as f:

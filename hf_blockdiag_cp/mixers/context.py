@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel
 from ..planning import Layout
-from ..planning.mixer_plan import MixerRuns, MixerShape, choose_mixer_transport, pack_runs
+from ..planning.mixer_plan import MixerRuns, MixerShape, choose_mixer_transport, mixer_cost_for, pack_runs
 from ..step.state import MIXER_CONTEXT_KEY
 
 
@@ -69,11 +70,13 @@ class MixerContext:
         return record
 
     def transport_for(self, shape: MixerShape) -> str:
-        """The transport of a layer of `shape`: "local" (one rank), "heads" or "states"."""
+        """The transport of a layer of `shape`: "local" (one rank), "heads" or "states" (`auto`: the
+        cheaper at the byte rate of the group's backend, `planning.mixer_plan.mixer_cost_for`)."""
         if self.world_size == 1:
             name = "local"
         else:
-            name = self.cached(("transport", shape), lambda: choose_mixer_transport(self.transport, self.layout, shape))
+            name = self.cached(("transport", shape), lambda: choose_mixer_transport(
+                self.transport, self.layout, shape, mixer_cost_for(dist.get_backend(self.group))))
         self.choices["transport"] = name
         return name
 

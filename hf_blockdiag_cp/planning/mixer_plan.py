@@ -278,8 +278,8 @@ class MixerShape:
 class MixerCost:
     """Seconds per step of a mixer transport: bytes received over `bytes_per_second`, plus rows × value
     heads of mixer work (forward + backward) at `seconds_per_row_head` for 128 × 128 heads, scaled by
-    Dk·Dv. Defaults: NCCL all-to-all between two H200s and fla's chunked delta rule on an H200
-    (docs/models.md, "CP transports")."""
+    Dk·Dv. Defaults: NCCL all-to-all between two H200s (assumed) and fla's chunked delta rule on an
+    H200 (docs/models.md, "CP transports"); `mixer_cost_for` gives the one of a group's backend."""
 
     bytes_per_second: float = 150e9
     seconds_per_row_head: float = 2.7e-8
@@ -290,6 +290,15 @@ class MixerCost:
 
 
 DEFAULT_MIXER_COST = MixerCost()
+# gloo sends CUDA tensors through host copies and TCP: about 1 GB/s between ranks on one H200, measured
+# by benchmarks/mixer_transports.py (docs/models.md, "CP transports")
+MIXER_COSTS = {"nccl": DEFAULT_MIXER_COST, "gloo": MixerCost(bytes_per_second=1e9)}
+
+
+def mixer_cost_for(backend: str) -> MixerCost:
+    """The `MixerCost` of a process group whose backend is `backend` (`torch.distributed.get_backend`);
+    NCCL's for any backend without its own."""
+    return MIXER_COSTS.get(backend, DEFAULT_MIXER_COST)
 
 
 def heads_split_reason(shape: MixerShape, cp_size: int) -> str | None:

@@ -22,7 +22,10 @@ import torch.distributed as dist
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.comm.head_shards import heads_to_seq, seq_to_heads
 from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
-from hf_blockdiag_cp.planning import PAIR_COUNT
+from hf_blockdiag_cp.mixers import MixerContext
+from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths
+from hf_blockdiag_cp.planning.mixer_plan import MixerShape, choose_mixer_transport, mixer_cost_for
+from hf_blockdiag_cp.step import STEP_KWARG
 from helpers.model_zoo import HYBRID_FAMILIES, KDA_FAMILIES, build_hybrid_pair
 from helpers.packs import long_pack, make_pack
 from helpers.reference import compare_with_reference, mean_over_group, reference_loss_and_grads
@@ -96,6 +99,24 @@ def hybrid_parity_case(rank, world_size, group, family):
         worst = max(errors, key=errors.get)
         results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}/{transport}"] = (errors[worst], worst, errors["loss"])
     return results, permuted
+
+
+def auto_transport_case(rank, world_size, group):
+    """What a step's `auto` takes for the 1.13B bench layer's shape on one 64k document, and what the
+    planner gives at gloo's and NCCL's byte rates."""
+    shape = MixerShape(8, 128, 16, 128, 4096, 4)
+    ids = torch.zeros(1, 65536, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids, "document_ids": document_ids_from_lengths([65536])[None]}
+    _, local, layout = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    step = MixerContext.from_step(local[STEP_KWARG]).transport_for(shape)
+    return step, choose_mixer_transport("auto", layout, shape, mixer_cost_for("gloo")), choose_mixer_transport("auto", layout, shape)
+
+
+def test_auto_weighs_bytes_at_the_groups_backend_rate(gloo):
+    """On a gloo group the step's `auto` prices the all-to-alls at gloo's rate: state passing for one
+    long document, where NCCL's rate would go head-parallel (docs/models.md, "CP transports")."""
+    for rank, (step, at_gloo, at_nccl) in enumerate(gloo(2).run(auto_transport_case)):
+        assert (step, at_gloo, at_nccl) == ("states", "states", "heads"), f"rank {rank}"
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from hf_blockdiag_cp.planning import PAIR_COUNT, document_ids_from_lengths, plan_layout
 from hf_blockdiag_cp.planning.mixer_plan import (
+    DEFAULT_MIXER_COST,
     MixerShape,
     choose_mixer_transport,
+    mixer_cost_for,
     pack_runs,
     plan_conv_halo,
     plan_state_passing,
@@ -188,6 +190,20 @@ def test_auto_takes_states_for_short_documents_and_heads_for_one_long_document()
     assert choose_mixer_transport("auto", long, shape) == "heads"
     seconds = transport_seconds(long, shape)
     assert seconds["heads"] < seconds["states"]
+
+
+def test_a_slower_backend_takes_state_passing_for_one_long_document():
+    """gloo's byte rate (`mixer_cost_for("gloo")`) makes head-parallel's all-to-alls cost more than state
+    passing's second pass where NCCL's makes them cheaper; unknown backends get NCCL's rate."""
+    shape = MixerShape(8, 128, 16, 128, 4096, 4)
+    long = _layout([65536], 0, 2, "contiguous")
+    assert mixer_cost_for("nccl") is DEFAULT_MIXER_COST and mixer_cost_for("ucc") is DEFAULT_MIXER_COST
+    gloo = mixer_cost_for("gloo")
+    assert gloo.bytes_per_second < DEFAULT_MIXER_COST.bytes_per_second
+    assert choose_mixer_transport("auto", long, shape) == "heads"
+    assert choose_mixer_transport("auto", long, shape, gloo) == "states"
+    seconds = transport_seconds(long, shape, gloo)
+    assert seconds["states"] < seconds["heads"]
 
 
 @pytest.mark.parametrize("decay", ["head", "entry"])
