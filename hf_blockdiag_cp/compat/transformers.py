@@ -1,4 +1,4 @@
-"""Transformers internals that have no public equivalent (checked with transformers 5.17 and 5.24,
+"""Transformers internals that have no public equivalent (checked with transformers 5.17, 5.24 and 5.25,
 `tests/unit/test_compat.py`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from packaging.version import Version
 
-TESTED = "transformers 5.17 to 5.24"
+TESTED = "transformers 5.17 to 5.25"
 
 
 def attn_implementation(config) -> str | None:
