@@ -60,7 +60,7 @@ class CPConfig:
       or `fla` (refused where not verified).
     mixer_transport: how those mixers cross the CP group: `heads` (head-parallel all-to-all; needs
       the heads divisible by G), `states` (state passing, any G) or `auto` (per step and layer, the
-      cheaper by `planning.mixer_plan.MixerCost`).
+      cheaper by `planning.mixer_plan.MixerCost`, bytes at the group backend's rate).
     no_target_packs: what a pack with labels but no target token (every label -100 after the shift:
       masking gone wrong, or only one-token documents) does; it would train nothing (loss 0, zero
       gradients). `warn` (default): a WARNING on the CP group's first rank with the count so far, at
