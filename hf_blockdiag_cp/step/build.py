@@ -144,6 +144,27 @@ def _local_batch(batch: dict, cp, config: CPConfig, loss_mask, padding_token_id,
     return dict(batch)
 
 
+def _raise_unless_agreed(agreement, error: BaseException | None) -> None:
+    """After the step's consensus: this rank's own error, else a peer's failure or a disagreement
+    between the ranks, raised on every rank alike (I5)."""
+    if error is not None:
+        raise error
+    if agreement.any_failed:
+        raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
+    differing = agreement.disagreeing()
+    if differing == ["kv exchange"]:
+        raise RuntimeError(
+            "blockdiag_cp: the ranks of one CP group chose different kv_exchange for the same pack; "
+            "pass the same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
+        )
+    if differing:
+        raise RuntimeError(
+            "blockdiag_cp: the ranks of one CP group received different packs (they differ in "
+            f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
+            "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
+        )
+
+
 def make_cp_blockdiag_batch_and_ctx(
     cp_mesh,
     tp_mesh,
@@ -199,23 +220,7 @@ def make_cp_blockdiag_batch_and_ctx(
         error = exc
     if not agreement_values:  # this rank failed before it had a fingerprint: zeros, flagged as failed
         agreement_values = StepAgreement(PackFingerprint(0, 0, 0, 0, 0, 0), 0).values()
-    agreement = agree(cp.group, error is not None, agreement_values)
-    if error is not None:
-        raise error
-    if agreement.any_failed:
-        raise RuntimeError("blockdiag_cp: another rank of the CP group rejected its batch (see that rank's error)")
-    differing = agreement.disagreeing()
-    if differing == ["kv exchange"]:
-        raise RuntimeError(
-            "blockdiag_cp: the ranks of one CP group chose different kv_exchange for the same pack; "
-            "pass the same CPConfig on every rank (and the same LOCAL_WORLD_SIZE)"
-        )
-    if differing:
-        raise RuntimeError(
-            "blockdiag_cp: the ranks of one CP group received different packs (they differ in "
-            f"{', '.join(differing)}); every CP rank must get the same full batch. Use a sampler or "
-            "dataloader that gives CP peers identical batches (see hf_blockdiag_cp collator docs)"
-        )
+    _raise_unless_agreed(agree(cp.group, error is not None, agreement_values), error)
     info = local.pop(SHARD_KEY)
     check_pack_targets(config.no_target_packs, info.fingerprint.label_count, "labels" in local, cp.rank)
     warn_exchange_fallback(config.kv_exchange, exchange, exchange_plan)
