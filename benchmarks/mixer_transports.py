@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.bench.common import environment, lognormal_lengths, markdown_table, write_json
 from hf_blockdiag_cp.mixers import MixerContext, gated_delta_mix
-from hf_blockdiag_cp.model_patches.gated_delta import _project, mixer_layer
+from hf_blockdiag_cp.model_patches.gated_delta import input_projections, mixer_layer
 from hf_blockdiag_cp.planning import document_ids_from_lengths
 from hf_blockdiag_cp.planning.mixer_plan import transport_bytes
 from hf_blockdiag_cp.step.state import STEP_KWARG
@@ -60,7 +60,7 @@ def time_layer(layer, step, hidden, probe, calls: int) -> tuple[float, str]:
         _sync(hidden.device)
         dist.barrier(group=step.group)
         t0 = time.perf_counter()
-        mixed, _, b, a = _project(layer, hidden)
+        mixed, _, b, a = input_projections(layer, hidden)
         (gated_delta_mix(spec, mixed, b, a, ctx) * probe).sum().backward()
         _sync(hidden.device)
         if i:  # the first call compiles and autotunes

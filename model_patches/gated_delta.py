@@ -78,7 +78,7 @@ def mixer_layer(module) -> GatedDeltaLayer:
     )
 
 
-def _project(module, hidden: torch.Tensor):
+def input_projections(module, hidden: torch.Tensor):
     """Rows `[L, D]` -> pre-convolution q|k|v `[L, 2·Hk·Dk + Hv·Dv]` (head-major), z `[L, Hv, Dv]`,
     b and a `[L, Hv]`, exactly as the stock forward builds them."""
     x = hidden[None]
@@ -108,7 +108,7 @@ def delta_rule_documents(module, mixed, b, a, context) -> torch.Tensor:
 def forward_packed(self, step, x, kwargs):
     """GatedDeltaNet forward that keeps the documents of a packed row apart (see the module docstring)."""
     rows = x.shape[0]
-    mixed, z, b, a = _project(self, x)
+    mixed, z, b, a = input_projections(self, x)
     core = mix_documents(delta_rule_documents, self, step, kwargs, rows, mixed, b, a)
     norm, out_proj = _norm_and_out(self)
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))

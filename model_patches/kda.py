@@ -95,7 +95,7 @@ def mixer_layer(module) -> GatedDeltaLayer:
     )
 
 
-def _project(module, x: torch.Tensor):
+def input_projections(module, x: torch.Tensor):
     """Rows `[L, D]` -> q|k|v `[L, 3·H·Dk]`, the output gate `[L, H, Dk]`, b `[L, H]` and the forget
     gate's projection a `[L, H·Dk]`, as the stock forward builds them."""
     mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
@@ -114,7 +114,7 @@ def kda_documents(module, mixed, b, a, context) -> torch.Tensor:
 def forward_packed(self, step, x, kwargs):
     """DeltaAttention forward that keeps the documents of a packed row apart (see the module docstring)."""
     rows = x.shape[0]
-    mixed, out_gate, b, a = _project(self, x)
+    mixed, out_gate, b, a = input_projections(self, x)
     core = mix_documents(kda_documents, self, step, kwargs, rows, mixed, b, a)
     return self.o_proj(self.o_norm(core[None], out_gate[None]).reshape(1, rows, -1))
 

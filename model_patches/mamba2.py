@@ -61,7 +61,7 @@ def mixer_layer(module) -> SsdLayer:
     )
 
 
-def _project(module, hidden: torch.Tensor):
+def input_projections(module, hidden: torch.Tensor):
     """Rows `[L, D]` -> gate `[L, I]`, pre-convolution x|B|C `[L, I + 2·G·N]` and raw dt `[L, H]`,
     exactly as the stock forward builds them (FalconH1: times its input and μP multipliers)."""
     x = hidden[None]
@@ -82,7 +82,7 @@ def scan_documents(module, xbc, dt, context) -> torch.Tensor:
 def forward_packed(self, step, x, kwargs):
     """Mamba2 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
     rows, dtype = x.shape[0], x.dtype
-    gate, xbc, dt = _project(self, x)
+    gate, xbc, dt = input_projections(self, x)
     scan = mix_documents(scan_documents, self, step, kwargs, rows, xbc, dt).reshape(1, rows, -1)
     if getattr(self, "mamba_rms_norm", True):
         scan = self.norm(scan, gate[None])

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from ..kernels import unsupported_reason
-from ..kernels.flex import _compiled_flex
+from ..kernels.flex import compiled_flex
 from ..attention import blockdiag_attention
 from ..step import STEP_KWARG
 from .common import (
@@ -60,7 +60,7 @@ def _raw_flex(doc_ids, q, k, v, interval: bool = False):
         return (docs[qi] == docs[ki]) & (ki <= qi)
 
     bm = create_block_mask(mask_mod, None, None, docs.numel(), docs.numel(), device=q.device, _compile=True)
-    fn = _compiled_flex()  # compiled as our kernel compiles it, so both go dynamic at the same length
+    fn = compiled_flex()  # compiled as our kernel compiles it, so both go dynamic at the same length
     return lambda: fn(q, k, v, block_mask=bm, enable_gqa=True)
 
 

@@ -26,7 +26,7 @@ SPARSE_BLOCK = 128  # FlexAttention's default sparse block; the kernel's tiles d
 
 
 @functools.cache
-def _compiled_flex():
+def compiled_flex():
     # dynamic=None: static for the first shape, one recompile to dynamic shapes if the row or query
     # count changes (needed-only exchanges, varying pack lengths) instead of one compile per shape
     # until dynamo's recompile limit drops the kernel to eager.
@@ -136,7 +136,7 @@ def flex_attention_kernel(
 ) -> torch.Tensor:
     """q [L,H,Dk], k/v: every exchange row [R,Hkv,D] (masked by pack position) -> [L,H,Dv]."""
     mask = block_mask(step, sliding_window)
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    fn = compiled_flex() if q.is_cuda else flex_attention
     extra = {}
     if softcap is not None:
         extra["score_mod"] = _softcap_score_mod(float(softcap))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .balance_candidates import Pieces, _contiguous_pieces, _greedy_pieces, _zigzag_pieces
+from .balance_candidates import Pieces, contiguous_pieces, greedy_pieces, zigzag_pieces
 from .kernel_cost import DEFAULT_KERNEL_COST, KernelCost
 from .layout import DEFAULT_TOLERANCE, register_layout_strategy
 
@@ -135,18 +135,18 @@ def balanced_slot_positions(
     starts, lengths = bounds[:-1], np.diff(bounds)
     s_pad = int(bounds[-1])
     local_len = s_pad // cp_size
-    contiguous = _contiguous_pieces(bounds, cp_size, local_len).cost_per_rank(cp_size, kernel_cost)
+    contiguous = contiguous_pieces(bounds, cp_size, local_len).cost_per_rank(cp_size, kernel_cost)
     # T: every segment whole, divided by G (for the pair count the same as any layout's mean).
     target = float(kernel_cost.run_cost(0, lengths).sum()) / cp_size
     limit = (1.0 + tolerance) * target
     if cp_size == 1 or contiguous.max() <= limit:
         return torch.arange(s_pad).view(cp_size, local_len)
     moves, stop = _REFINE_MOVES * cp_size, 1.0 + _REFINE_SHARE * tolerance
-    greedy = _greedy_pieces(starts, lengths, cp_size, local_len, tolerance, kernel_cost)
+    greedy = greedy_pieces(starts, lengths, cp_size, local_len, tolerance, kernel_cost)
     greedy_max = greedy.cost_per_rank(cp_size, kernel_cost).max()
     if greedy_max <= limit:
         return _refine(greedy, cp_size, kernel_cost, moves, stop).slot_positions(cp_size, local_len)
-    zigzag = _zigzag_pieces(starts, lengths, cp_size, local_len, kernel_cost)
+    zigzag = zigzag_pieces(starts, lengths, cp_size, local_len, kernel_cost)
     zigzag_max = zigzag.cost_per_rank(cp_size, kernel_cost).max()
     best = min(contiguous.max(), greedy_max, zigzag_max)
     if contiguous.max() == best:
@@ -168,7 +168,7 @@ def _retry_greedy(chosen: Pieces, chosen_peak: float, starts, lengths, cp_size: 
     candidates with the lowest greedy peaks are refined like the first layout (refining is the
     dear part); one replaces it only if its predicted peak is lower by more than `_RETRY_GAIN`,
     so layouts the first pass already balanced stay as they are."""
-    greedy = [_greedy_pieces(starts, lengths, cp_size, local_len, tolerance * f, kernel_cost) for f in _RETRY_FACTORS]
+    greedy = [greedy_pieces(starts, lengths, cp_size, local_len, tolerance * f, kernel_cost) for f in _RETRY_FACTORS]
     greedy.sort(key=lambda g: g.cost_per_rank(cp_size, kernel_cost).max())
     best = chosen_peak * (1.0 - _RETRY_GAIN)
     for candidate in greedy[:_RETRY_REFINED]:

@@ -68,7 +68,7 @@ class Pieces:
 # --------------------------------------------------------------------------- candidates
 
 
-def _contiguous_pieces(bounds: np.ndarray, cp_size: int, local_len: int) -> Pieces:
+def contiguous_pieces(bounds: np.ndarray, cp_size: int, local_len: int) -> Pieces:
     """Contiguous chunks as pieces: the segments cut at the G - 1 rank boundaries."""
     cuts = np.arange(cp_size + 1, dtype=np.int64) * local_len
     points = np.union1d(bounds, cuts)
@@ -87,7 +87,7 @@ def _snake_singles(starts: np.ndarray, seg: np.ndarray, tok_offset: np.ndarray, 
                   tok_offset[order])
 
 
-def _zigzag_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, kernel_cost: KernelCost) -> Pieces:
+def zigzag_pieces(starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, kernel_cost: KernelCost) -> Pieces:
     """Every segment head-tail over all G ranks; the middle leftovers (< 2G tokens each) fill the rows left.
 
     For the pair count they are dealt token by token in snake order (which gives the pair bound,
@@ -262,7 +262,7 @@ class _Greedy:
         return Pieces.concat([Pieces.from_lists(*self.placed), cut])
 
 
-def _greedy_pieces(
+def greedy_pieces(
     starts: np.ndarray, lengths: np.ndarray, cp_size: int, local_len: int, tolerance: float, kernel_cost: KernelCost
 ) -> Pieces:
     """The greedy candidate: segments longest first, whole on the lowest-key rank or zig-zagged over few

@@ -85,7 +85,7 @@ def test_conv_reference_catches_a_crossing_convolution(family):
 
 def _kda_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
     """The KDA layer's core output with its convolution restarted at `conv_runs` and its rule at `rule_runs`."""
-    mixed, _, b, a = kda._project(layer, x[0])
+    mixed, _, b, a = kda.input_projections(layer, x[0])
     spec = kda.mixer_layer(layer)
     mixed = torch_short_conv(mixed, spec.conv_weight, spec.conv_bias, spec.activation, RunTable.build(conv_runs, "cpu"))
     q, k, v = (t.reshape(mixed.shape[0], spec.key_heads, -1) for t in mixed.chunk(3, dim=-1))
@@ -102,7 +102,7 @@ def test_kda_reference_catches_a_crossing_convolution_or_state(family):
         exact = _kda_out(layer, x, split, split)
         conv_crosses = _kda_out(layer, x, whole, split)
         state_crosses = _kda_out(layer, x, split, whole)
-        mixed, _, b, a = kda._project(layer, x[0])
+        mixed, _, b, a = kda.input_projections(layer, x[0])
         mixer = gated_delta_mix(kda.mixer_layer(layer), mixed, b, a, MixerContext.from_runs(split))
     assert rel_err(mixer, exact) <= 1e-6
     second = slice(LENGTHS[0], sum(LENGTHS))

@@ -56,7 +56,7 @@ def test_packed_layer_equals_each_document_alone(family):
 def _mixer_out(layer, x, conv_runs: MixerRuns, rule_runs: MixerRuns):
     """The layer's core output with its convolution restarted at `conv_runs` and its delta rule at `rule_runs`
     (the torch kernels called directly)."""
-    mixed, _, b, a = gated_delta._project(layer, x[0])
+    mixed, _, b, a = gated_delta.input_projections(layer, x[0])
     spec = gated_delta.mixer_layer(layer)
     mixed = torch_short_conv(mixed, spec.conv_weight, spec.conv_bias, spec.activation, RunTable.build(conv_runs, "cpu"))
     rows, kw = mixed.shape[0], spec.key_heads * spec.key_dim
@@ -79,7 +79,7 @@ def test_reference_catches_a_crossing_convolution_or_state(family):
         exact = _mixer_out(layer, x, split, split)
         conv_crosses = _mixer_out(layer, x, whole, split)
         state_crosses = _mixer_out(layer, x, split, whole)
-        mixed, _, b, a = gated_delta._project(layer, x[0])
+        mixed, _, b, a = gated_delta.input_projections(layer, x[0])
         mixer = gated_delta.gated_delta_mix(gated_delta.mixer_layer(layer), mixed, b, a, MixerContext.from_runs(split))
     assert rel_err(mixer, exact) <= 1e-6  # the mixer the patch runs is this composition
     second = slice(LENGTHS[0], length)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_blockdiag_cp.bench.ranks import scenario_lengths
-from hf_blockdiag_cp.planning.balance import _greedy_pieces, _refine
+from hf_blockdiag_cp.planning.balance import greedy_pieces, _refine
 from hf_blockdiag_cp.planning import (
     DEFAULT_KERNEL_COST,
     PAIR_COUNT,
@@ -127,7 +127,7 @@ def test_refinement_keeps_rows_and_never_raises_the_peak(lengths, cp_size, kerne
     bounds = np.concatenate([[0], np.cumsum(lengths), [seq_len]] if seq_len > sum(lengths) else [[0], np.cumsum(lengths)])
     starts, lens = bounds[:-1].astype(np.int64), np.diff(bounds).astype(np.int64)
     local_len = seq_len // cp_size
-    greedy = _greedy_pieces(starts, lens, cp_size, local_len, 0.05, kc)
+    greedy = greedy_pieces(starts, lens, cp_size, local_len, 0.05, kc)
     refined = _refine(greedy, cp_size, kc, 4 * cp_size)
     assert refined.cost_per_rank(cp_size, kc).max() <= greedy.cost_per_rank(cp_size, kc).max() * (1 + 1e-9)
     slots = refined.slot_positions(cp_size, local_len)  # raises unless every rank holds L rows

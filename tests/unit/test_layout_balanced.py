@@ -157,7 +157,7 @@ def test_one_long_document_plus_short_ones_keeps_short_ones_whole(seed, cp_size)
     tolerance (step 2; else step 3 may zig-zag everything), it cuts the long document and at most
     G - 1 filler runs, and the refinement (step 4) cuts at most 2 more per swap, 2·G swaps. T is at
     least l_max / eps, so the bound gives max/mean <= 1 + eps."""
-    from hf_blockdiag_cp.planning.balance import _greedy_pieces
+    from hf_blockdiag_cp.planning.balance import greedy_pieces
 
     rng = np.random.default_rng(seed)
     lengths = [65536] + fill(rng, 65536)
@@ -167,7 +167,7 @@ def test_one_long_document_plus_short_ones_keeps_short_ones_whole(seed, cp_size)
     mean = sum(work) / cp_size
     bounds = layout.segments.boundaries.numpy()
     assert max(n * (n + 1) // 2 for n in lengths[1:]) <= TOLERANCE / 4 * mean and mean >= max(lengths) / TOLERANCE
-    greedy = _greedy_pieces(bounds[:-1], np.diff(bounds), cp_size, layout.local_len, TOLERANCE, PAIR_COUNT)
+    greedy = greedy_pieces(bounds[:-1], np.diff(bounds), cp_size, layout.local_len, TOLERANCE, PAIR_COUNT)
     assume(greedy.cost_per_rank(cp_size, PAIR_COUNT).max() <= (1 + TOLERANCE) * mean)
     assert max(work) <= (1 + TOLERANCE) * mean
     assert layout_cost(layout).split_documents <= 1 + (cp_size - 1) + 2 * (2 * cp_size)

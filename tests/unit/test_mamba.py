@@ -154,7 +154,7 @@ def _scan_out(layer, x, conv_runs: MixerRuns, scan_runs: MixerRuns):
         out = torch_selective_scan(xs, selective_scan.time_steps(spec, dt), -spec.A_log.float().exp(), B, C,
                                    spec.D.float(), scan_table, torch_scan=spec.torch_scan)[0]
         return out, mixer
-    _, xbc, dt = mamba2._project(layer, x[0])
+    _, xbc, dt = mamba2.input_projections(layer, x[0])
     spec = mamba2.mixer_layer(layer)
     mixer = ssd.ssd_mix(spec, xbc, dt, MixerContext.from_runs(conv_runs))
     xbc = torch_short_conv(xbc, spec.conv_weight, spec.conv_bias, spec.activation, conv_table)
