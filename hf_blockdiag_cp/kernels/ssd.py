@@ -11,7 +11,7 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
 - `mamba_ssm`: mamba-ssm's Triton `mamba_chunk_scan_combined` with `seq_idx`, refused until it is
   verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
 - `fla`: the same scan as flash-linear-attention's varlen `chunk_gla`, its log-decay per key channel
-  set to SSD's one per head and row, refused until verified on a GPU (`FLA_SSD_VERIFIED`).
+  set to SSD's one per head and row, taken where it was verified on a GPU (`FLA_SSD_VERIFIED`).
   `chunk_simple_gla` takes a scalar decay as is, but on Hopper fla 0.6.0 raises in its backward with
   a per-row decay under Triton 3.4 to 3.7.0, and its TileLang path refuses the fp32 states it keeps;
   GLA's backward has its own kernels (docs/models.md, "Kernels").
@@ -99,8 +99,8 @@ MAMBA_SSM = register_mixer_kernel(MixerKernelRecord("mamba_ssm", "ssd_scan", mam
 
 # Where fla's chunk_gla, fed as `fla_ssd_scan` feeds it, was checked forward and backward (final
 # states included) against the torch scan in fp32 (tests/gpu/test_mixer_kernels_gpu.py): (compute
-# capability major, dtype, (state N, head dim P)). Empty: not yet verified anywhere.
-FLA_SSD_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozenset()
+# capability major, dtype, (state N, head dim P)); docs/models.md, "Kernels".
+FLA_SSD_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int]]] = frozenset({(9, torch.bfloat16, (128, 64))})
 
 
 def fla_ssd_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:

@@ -149,9 +149,9 @@ def test_fla_records_name_what_was_verified(monkeypatch):
     for states in (False, True):
         assert kda.fla_kda_check(cuda, bf16, MixerDims(128, 128, states=states)) is None
     assert "head dims 64x64" in kda.fla_kda_check(cuda, bf16, MixerDims(64, 64))
-    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)).endswith("(verified: nowhere yet)")
-    monkeypatch.setattr(ssd, "FLA_SSD_VERIFIED", frozenset({(9, bf16, (128, 64))}))
-    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)) is None
+    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(128, 64)) is None  # NemotronH's state and head dim
+    assert ssd.fla_ssd_check(cuda, bf16, MixerDims(64, 64)).endswith(
+        "head dims 64x64 (verified: compute capability 9.x, bfloat16, head dims 128x64)")
     for states in (False, True):
         assert lightning.fla_lightning_check(cuda, bf16, MixerDims(128, 128, states=states)) is None
     assert "head dims 64x64 with initial and final states" in lightning.fla_lightning_check(
