@@ -8,16 +8,20 @@ the context of a step lives in the step's cache.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel
+from ..comm.notice import warn_once
+from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel, mixer_refusals
 from ..planning import Layout
 from ..planning.mixer_plan import MixerRuns, MixerShape, choose_mixer_transport, mixer_cost_for, pack_runs
 from ..step.state import MIXER_CONTEXT_KEY
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -66,6 +70,8 @@ class MixerContext:
         """The kernel of `op` for tensors like `x` (cached per op, dtype and dims)."""
         key = ("kernel", op, x.device.type, x.dtype, dims)
         record = self.cached(key, lambda: choose_mixer_kernel(op, self.backend, x.device, x.dtype, dims))
+        if record.name == "torch" and self.backend == "auto" and x.device.type == "cuda":
+            _warn_torch_on_gpu(op, x, dims)
         self.choices[op] = record.name
         return record
 
@@ -83,3 +89,14 @@ class MixerContext:
     def describe(self) -> str:
         """What ran, e.g. `gated_delta_rule=fla short_conv=fla transport=states`."""
         return " ".join(f"{k}={v}" for k, v in sorted(self.choices.items()))
+
+
+def _warn_torch_on_gpu(op: str, x: torch.Tensor, dims: MixerDims) -> None:
+    """On a GPU `auto` fell back to the torch kernel of `op`, many times slower than a fast one: a
+    WARNING names why each fast kernel was refused (once per run, rank 0; docs/gpu.md)."""
+    refused = {name: reason for name, reason in mixer_refusals(op, x.device, x.dtype, dims).items()
+               if name != "torch" and reason is not None}
+    warn_once(logger, ("mixer torch on gpu", op, x.dtype, dims), (
+        f"blockdiag_cp: the token mixers run the torch {op} kernel on {x.device.type} in {x.dtype} "
+        f"({'; '.join(f'{name}: {reason}' for name, reason in sorted(refused.items())) or 'no fast kernel'}); "
+        "docs/gpu.md says what to install (warned once)"))

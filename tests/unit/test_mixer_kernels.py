@@ -182,3 +182,18 @@ def test_a_varlen_kernel_run_over_padding_keeps_the_contract_through_only_docume
     torch.testing.assert_close(out, expected_out)
     torch.testing.assert_close(final, expected_final.to(final.dtype))
     assert torch.equal(final[1], torch.zeros_like(final[1]))
+
+
+def test_auto_on_the_cpu_takes_torch_without_a_warning(caplog):
+    """On the CPU torch is every mixer's only kernel: nothing to warn about (on a GPU, see
+    gpu/test_mixer_fallback_gpu.py)."""
+    import logging
+
+    from hf_blockdiag_cp.mixers.context import MixerContext
+
+    context = MixerContext.from_runs(MixerRuns(torch.tensor([0, 5, 12]), torch.tensor([True, True])))
+    with caplog.at_level(logging.WARNING, logger="hf_blockdiag_cp"):
+        names = [context.kernel(op, torch.zeros(12, 4), MixerDims(24, 40)).name
+                 for op in ("gated_delta_rule", "ssd_scan", "short_conv")]
+    assert names == ["torch"] * 3
+    assert not [r for r in caplog.records if "torch" in r.getMessage()]
