@@ -57,10 +57,11 @@ PADDING = 6
 GROUPS = ("decay", "linear_attn", "self_attn", "mlp", "other")
 
 
-# Mamba2 hybrids: 4 heads of 64 in 2 groups, state 64, scan chunks of 64 rows; every expert chosen
+# Mamba2 hybrids: 4 heads of 64 in 2 groups, state 128 (NemotronH's, where fla's scan is verified: the
+# `auto` variants run it), scan chunks of 64 rows; every expert chosen
 GPU_MAMBA2_SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=64, initializer_range=0.02,
-                        sizes=dict(heads=4, head_dim=64, groups=2, state=64, conv=4, chunk=64))
+                        sizes=dict(heads=4, head_dim=64, groups=2, state=128, conv=4, chunk=64))
 MAMBA2_GPU_FAMILIES = ("nemotron_h", "granitemoehybrid")
 # LFM2: attention 4 heads of 64; Kimi Linear: 2 KDA heads of 128, MLA with query/key head dim 64 and value 64
 GPU_CONV_KDA_SIZES = {
