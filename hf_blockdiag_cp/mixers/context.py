@@ -68,10 +68,13 @@ class MixerContext:
 
     def kernel(self, op: str, x: torch.Tensor, dims: MixerDims) -> MixerKernelRecord:
         """The kernel of `op` for tensors like `x` (cached per op, dtype and dims)."""
-        key = ("kernel", op, x.device.type, x.dtype, dims)
-        record = self.cached(key, lambda: choose_mixer_kernel(op, self.backend, x.device, x.dtype, dims))
-        if record.name == "torch" and self.backend == "auto" and x.device.type == "cuda":
-            _warn_torch_on_gpu(op, x, dims)
+        def choose():
+            record = choose_mixer_kernel(op, self.backend, x.device, x.dtype, dims)
+            if record.name == "torch" and self.backend == "auto" and x.device.type == "cuda":
+                _warn_torch_on_gpu(op, x, dims)
+            return record
+
+        record = self.cached(("kernel", op, x.device.type, x.dtype, dims), choose)
         self.choices[op] = record.name
         return record
 
