@@ -1,0 +1,8 @@
+"""Sequence-level quantities of a CP-sharded pack without `[tokens, vocab]` logits: the chunked
+log-prob head (`head`), run inside the model's own forward (`capture`), and its per-document sums
+over the CP group (`documents`). What DPO, reward models and RL steps are built on."""
+
+from .documents import DocumentLogProbs, document_log_probs, per_document_sum
+from .head import STATS, LogitTransform, token_log_probs
+
+__all__ = ["STATS", "DocumentLogProbs", "LogitTransform", "document_log_probs", "per_document_sum", "token_log_probs"]

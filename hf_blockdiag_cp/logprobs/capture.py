@@ -1,0 +1,141 @@
+"""The model's own forward, with the output embedding replaced by the chunked log-prob head.
+
+A forward pre-hook on the output embedding (`get_output_embeddings()`, installed once per model)
+runs `head.token_log_probs` on the final hidden states while a `HeadRequest` is active, inside the
+model's forward: wrappers that act around the forward (DDP, FSDP2's unsharded root parameters,
+PEFT, `torch.compile`) see the head's parameters used as in a plain forward. The output embedding
+itself then runs on `probe` rows only (none after the first call), so the model builds no
+`[tokens, vocab]` logits. On the first call per model and dtype it runs on two rows, and the
+logits the model returns for them (after its own scaling and soft-capping) must equal the
+`LogitTransform` of the head: a model that transforms its logits in a way the head does not know
+is refused instead of trained on wrong log-probs.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..step.model_support import configured_model
+from .head import LogitTransform, token_log_probs
+
+PROBE_ROWS = 2
+_VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, set]" = weakref.WeakKeyDictionary()
+_ACTIVE: "HeadRequest | None" = None
+_HOOK_ATTR = "_blockdiag_cp_log_prob_hook"
+
+
+@dataclass(eq=False)
+class HeadRequest:
+    """One call's targets and options; filled by the hook with the per-token results."""
+
+    rows: torch.Tensor  # positions of the local shard whose target is scored, [N] (long)
+    targets: torch.Tensor  # their target tokens, [N]
+    transform: LogitTransform
+    chunk_size: int | None
+    stats: tuple[str, ...]
+    probe: int = 0  # rows the output embedding still runs on, to check the transform
+    log_probs: torch.Tensor | None = None
+    values: dict = field(default_factory=dict)
+    probe_logits: torch.Tensor | None = None  # the transform of the probe rows, computed by the head
+    seen: bool = False
+
+
+@torch.compiler.disable
+def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
+    request = _ACTIVE
+    if request is None or request.seen or not args:
+        return None
+    request.seen = True
+    hidden = args[0]
+    if hidden.ndim != 3 or hidden.shape[0] != 1:
+        raise ValueError(
+            f"blockdiag_cp log-probs: the output embedding received hidden states of shape {tuple(hidden.shape)}; "
+            "expected [1, L, H] (one packed row)"
+        )
+    rows = hidden[0].index_select(0, request.rows)
+    request.log_probs, request.values = token_log_probs(
+        rows, module.weight, getattr(module, "bias", None), request.targets, request.transform, request.chunk_size,
+        request.stats,
+    )
+    probe = hidden[:, : request.probe]
+    if request.probe:
+        with torch.no_grad():
+            raw = probe[0].float() @ module.weight.float().t()
+            bias = getattr(module, "bias", None)
+            untempered = replace(request.transform, temperature=1.0)  # the model knows no sampling temperature
+            request.probe_logits = untempered.apply(raw if bias is None else raw + bias.float())
+    return (probe,) + tuple(args[1:]), kwargs
+
+
+def output_embedding(model) -> torch.nn.Module:
+    """The module that projects `model`'s hidden states to the vocabulary (inside DDP / compile / PEFT)."""
+    inner = configured_model(model)
+    get = getattr(inner, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None or getattr(head, "weight", None) is None or head.weight.ndim != 2:
+        raise ValueError(
+            f"blockdiag_cp log-probs: {type(inner if inner is not None else model).__name__} has no output embedding "
+            "with a [vocab, hidden] weight (get_output_embeddings()); expected a causal language model"
+        )
+    if hasattr(head, "base_layer"):  # a PEFT adapter on the LM head would be bypassed: refuse it
+        raise ValueError(
+            "blockdiag_cp log-probs: the output embedding carries a PEFT adapter, which the log-prob head would not "
+            "apply; remove 'lm_head' from the adapter's target_modules"
+        )
+    return head
+
+
+def install_hook(head: torch.nn.Module) -> None:
+    """The pre-hook on `head`, once (it does nothing while no request is active)."""
+    if getattr(head, _HOOK_ATTR, None) is None:
+        setattr(head, _HOOK_ATTR, head.register_forward_pre_hook(_pre_hook, with_kwargs=True))
+
+
+def run_with_head(model, inputs: dict[str, Any], request: HeadRequest):
+    """`model(**inputs)` with `request` active: the request holds the log-probs afterwards. The first
+    call per output embedding and dtype also checks the model's logit transform (module docstring)."""
+    global _ACTIVE
+    head = output_embedding(model)
+    install_hook(head)
+    verified = _VERIFIED.setdefault(head, set())
+    key = (torch.get_autocast_dtype(head.weight.device.type) if torch.is_autocast_enabled(head.weight.device.type)
+           else head.weight.dtype, request.transform.scale, request.transform.softcap)
+    request.probe = 0 if key in verified else PROBE_ROWS
+    previous, _ACTIVE = _ACTIVE, request
+    try:
+        outputs = model(**inputs)
+    finally:
+        _ACTIVE = previous
+    if not request.seen:
+        raise RuntimeError(
+            f"blockdiag_cp log-probs: {type(configured_model(model)).__name__}'s forward did not call its output "
+            "embedding (get_output_embeddings()); the log-prob head cannot run for this model"
+        )
+    if request.probe:
+        _check_transform(outputs, request, key[0])
+        verified.add(key)
+    return outputs
+
+
+def _check_transform(outputs, request: HeadRequest, dtype: torch.dtype) -> None:
+    """Refuse a model whose returned logits for the probe rows differ from the head's transform of them."""
+    logits = outputs.get("logits") if isinstance(outputs, dict) else getattr(outputs, "logits", None)
+    want = request.probe_logits
+    if logits is None or want is None or logits.shape[-2:] != want.shape:
+        raise RuntimeError(
+            "blockdiag_cp log-probs: the model's forward did not return logits for the probe rows of its output "
+            "embedding; its LM head cannot be checked"
+        )
+    got = logits[0].detach().float()
+    tolerance = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + want.abs().max().item())
+    error = (got - want).abs().max().item()
+    if error > tolerance:
+        raise NotImplementedError(
+            f"blockdiag_cp log-probs: the model transforms its logits in a way the log-prob head does not know (the head "
+            f"applies {request.transform}; the model's logits differ by {error:.3g} on probe rows). Supported: a scale "
+            "(logit_scale, logits_scaling, lm_head_multiplier) and final_logit_softcapping"
+        )

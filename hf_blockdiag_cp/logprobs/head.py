@@ -1,0 +1,177 @@
+"""Per-token log-probs of target tokens from hidden states, in token chunks: no `[tokens, vocab]` logits.
+
+`token_log_probs(hidden [N, H], weight [V, H], bias, targets [N], transform)` projects `chunk_size`
+rows at a time through the output embedding, turns each `[chunk, V]` tile into the log-prob of its
+targets (and, on request, per-token statistics), and keeps nothing of the tile. The backward
+recomputes each tile and accumulates the gradients of the hidden rows, the weight and the bias in
+fp32. So the largest tensor the head builds, forward or backward, is one tile.
+
+`LogitTransform` is what the model's forward does to the output embedding's result before the
+softmax (a scale, Gemma's final soft-capping) and a sampling temperature; `capture.py` checks it
+against the model's own logits once per model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Per-token statistics the head computes on request (no gradient), next to the log-probs.
+STATS = ("entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
+DEFAULT_TILE_ELEMENTS = 1 << 26  # logits per tile (256 MiB in fp32), when no chunk size is given
+MAX_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """logits = softcap(scale · (h·Wᵀ + b)) / temperature, softcap(z) = cap · tanh(z / cap)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be positive; got {self.temperature!r}")
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive or None; got {self.softcap!r}")
+
+    @staticmethod
+    def of_config(config, temperature: float = 1.0) -> "LogitTransform":
+        """The transform a Transformers causal LM applies after its output embedding, read from its
+        (text) config: Gemma's `final_logit_softcapping`, Cohere's `logit_scale`, Granite's
+        `logits_scaling` (a divisor), Falcon-H1's `lm_head_multiplier`."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        scale = 1.0
+        for name in ("logit_scale", "lm_head_multiplier"):
+            if getattr(text, name, None) is not None:
+                scale *= float(getattr(text, name))
+        if getattr(text, "logits_scaling", None) is not None:
+            scale /= float(text.logits_scaling)
+        softcap = getattr(text, "final_logit_softcapping", None)
+        return LogitTransform(scale, None if softcap is None else float(softcap), float(temperature))
+
+    def apply(self, raw: torch.Tensor) -> torch.Tensor:
+        z = raw * self.scale if self.scale != 1.0 else raw
+        if self.softcap is not None:
+            z = torch.tanh(z / self.softcap) * self.softcap
+        return z / self.temperature if self.temperature != 1.0 else z
+
+    def backward(self, raw: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """d loss / d raw from d loss / d logits (`grad`), in place on `grad`."""
+        if self.temperature != 1.0:
+            grad.div_(self.temperature)
+        if self.softcap is not None:
+            t = torch.tanh(raw * (self.scale / self.softcap))
+            grad.mul_(1 - t * t)
+        return grad.mul_(self.scale) if self.scale != 1.0 else grad
+
+
+def default_chunk_size(vocab: int) -> int:
+    """Rows per tile: about `DEFAULT_TILE_ELEMENTS` logits, at least 1, at most `MAX_CHUNK`."""
+    return max(1, min(MAX_CHUNK, DEFAULT_TILE_ELEMENTS // max(vocab, 1)))
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    kind = hidden.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+
+
+def _tile(hidden, weight, bias, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    """The raw fp32 logits of rows [start, stop): (h·Wᵀ + b) in `dtype`, then fp32."""
+    raw = hidden[start:stop].to(dtype) @ weight.to(dtype).t()
+    if bias is not None:
+        raw = raw + bias.to(dtype)
+    return raw.float()
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, chunk: int, stats: tuple[str, ...]):
+        ctx.set_materialize_grads(False)
+        dtype = _compute_dtype(hidden)
+        n = hidden.shape[0]
+        log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse_all = torch.empty_like(log_probs)
+        extra = {name: torch.empty(n, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device)
+                 for name in stats}
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            z = transform.apply(_tile(hidden, weight, bias, start, stop, dtype))
+            lse = torch.logsumexp(z, dim=-1)
+            target = z.gather(1, targets[start:stop, None]).squeeze(1)
+            log_probs[start:stop] = target - lse
+            lse_all[start:stop] = lse
+            if "entropy" in extra:
+                extra["entropy"][start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if "mean_logits" in extra:
+                extra["mean_logits"][start:stop] = z.mean(-1)
+            if "is_top1" in extra:  # the first maximal logit is the target's (TRL's `is_top1`)
+                extra["is_top1"][start:stop] = z.argmax(-1) == targets[start:stop]
+            if "log_sum_sq_probs" in extra:
+                extra["log_sum_sq_probs"][start:stop] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
+        ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
+        ctx.transform, ctx.chunk, ctx.dtype = transform, chunk, dtype
+        ctx.mark_non_differentiable(*extra.values())
+        return (log_probs, *extra.values())
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, *_):
+        hidden, weight, bias, targets, lse_all = ctx.saved_tensors
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        if grad_log_probs is None:
+            return None, None, None, None, None, None, None
+        dtype, transform = ctx.dtype, ctx.transform
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
+        w = weight.to(dtype)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            stop = min(start + ctx.chunk, hidden.shape[0])
+            raw = _tile(hidden, weight, bias, start, stop, dtype)
+            # d log p[target] / d logits = onehot(target) - softmax, times the upstream gradient
+            grad = torch.exp(transform.apply(raw) - lse_all[start:stop, None]).neg_()
+            grad.scatter_add_(1, targets[start:stop, None], torch.ones_like(grad[:, :1]))
+            grad.mul_(grad_log_probs[start:stop, None].float())
+            grad = transform.backward(raw, grad).to(dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = (grad @ w).float()
+            if grad_weight is not None:
+                grad_weight += (grad.t() @ hidden[start:stop].to(dtype)).float()
+            if grad_bias is not None:
+                grad_bias += grad.float().sum(0)
+        return (
+            None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            None if grad_bias is None else grad_bias.to(bias.dtype),
+            None, None, None, None,
+        )
+
+
+def token_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform = LogitTransform(),
+    chunk_size: int | None = None,
+    stats: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """log p(targets[i] | hidden[i]) for each of the N rows (fp32 `[N]`, differentiable in `hidden`,
+    `weight` and `bias`), and the requested per-token `stats` (`STATS`: entropy, mean logit, whether
+    the target is the first argmax, log Σ p²; fp32 or bool `[N]`, no gradient). At most
+    `chunk_size` rows (default: `default_chunk_size(V)`) are projected at a time."""
+    unknown = [name for name in stats if name not in STATS]
+    if unknown:
+        raise ValueError(f"stats {unknown} are not known; expected names from {STATS}")
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden [N, H] and weight [V, H] expected; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}]; got {tuple(targets.shape)}")
+    chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size!r}")
+    ordered = tuple(name for name in STATS if name in stats)
+    out = _ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), transform, chunk, ordered)
+    return out[0], dict(zip(ordered, out[1:]))
