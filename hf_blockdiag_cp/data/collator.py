@@ -172,9 +172,12 @@ class BlockdiagCPCollator:
             "document_ids": doc_ids.unsqueeze(0),
         }
 
-    def __call__(self, examples: Sequence[dict]) -> dict[str, Any]:
-        full = self.pack(examples)
+    def shard(self, full: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """A full pack (`pack`) as this collator's CP rank's local batch (as is without a `cp_rank`)."""
         if self.cp_rank is None:
             return full
         config = self.cp_config if self.cp_config is not None else CPConfig()  # default: contiguous chunks
         return shard_batch(full, self.cp_size, self.cp_rank, padding_token_id=self.pad_token_id, config=config)
+
+    def __call__(self, examples: Sequence[dict]) -> dict[str, Any]:
+        return self.shard(self.pack(examples))

@@ -26,8 +26,10 @@ LOSS_KEYS = ("labels", "shift_labels", "loss_mask", "num_items_in_batch")
 
 def per_document_sum(values: torch.Tensor, document_ids: torch.Tensor, num_documents: int, group=None) -> torch.Tensor:
     """Sum the rows of `values` ([L] or [L, K], this rank's shard) by `document_ids` ([L], 1-based, 0 =
-    padding, dropped) into `[D]` or `[D, K]`, then over `group` (differentiable, `comm.reduce`)."""
-    flat = values.reshape(values.shape[0], -1)
+    padding, dropped) into `[D]` or `[D, K]`, then over `group` (differentiable, `comm.reduce`). The
+    sums are float64: a document's log-prob sums thousands of terms, and its differences (rewards,
+    log-ratios) cancel most of them."""
+    flat = values.reshape(values.shape[0], -1).double()
     out = flat.new_zeros(num_documents + 1, flat.shape[1]).index_add(0, document_ids.reshape(-1).long(), flat)
     out = all_reduce_sum(out[1:], group)
     return out if values.ndim > 1 else out.reshape(-1)
@@ -39,9 +41,9 @@ class DocumentLogProbs:
 
     token_log_probs: [1, L] fp32, log p(target) at every shard position with a target, 0 elsewhere.
     stats: the requested per-token statistics ([1, L], no gradient, 0 where no target).
-    sums: [D] fp32, each document's summed log-prob over its targets on every rank; the same on every
+    sums: [D] float64, each document's summed log-prob over its targets on every rank; the same on every
         rank of the CP group, in document order (document id d at index d - 1), differentiable.
-    stat_sums: each statistic summed per document, [D].
+    stat_sums: each statistic summed per document, [D] float64.
     counts: [D] int64, each document's targets.
     document_ids: [1, L], the shard's document ids (1-based, 0 = padding).
     """

@@ -2,7 +2,16 @@
 and backward (`state`), and the function that builds it for the CP group (`build`)."""
 
 from .build import StepAgreement, build_step, make_cp_blockdiag_batch_and_ctx
-from .shard import IGNORE_INDEX, SHARD_KEY, PackFingerprint, ShardInfo, document_ids_of, shard_batch, shifted_labels
+from .shard import (
+    IGNORE_INDEX,
+    SHARD_KEY,
+    PackFingerprint,
+    ShardInfo,
+    document_ids_of,
+    local_rows,
+    shard_batch,
+    shifted_labels,
+)
 from .state import (
     STEP_KWARG,
     BlockdiagCPModelState,
@@ -32,6 +41,7 @@ __all__ = [
     "build_step",
     "current_blockdiag_cp_state",
     "document_ids_of",
+    "local_rows",
     "make_cp_blockdiag_batch_and_ctx",
     "shard_batch",
     "shifted_labels",

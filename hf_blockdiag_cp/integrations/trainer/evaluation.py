@@ -162,16 +162,15 @@ class ShardedEvaluationMixin:
         `outputs` and the shard step's `local` batch; `fill` for a pack that only fills the DP
         replicas' last round (it must weigh 0). Nothing here; the TRL trainer records its token metrics."""
 
-    def _sharded_forward(self, loader, with_logits: bool, on_pack=None):
-        """Forward only, every pack of `loader` (`get_eval_dataloader`) through the shard step under
-        CP. Yields per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for packs
-        that only fill the DP replicas' last round), and with `with_logits` the pack's logits and
-        shifted labels in pack order (gathered over the CP group) and its index in the epoch (None for
-        a fill pack). `on_pack(outputs, local, fill)` is called after each forward."""
+    def _eval_steps(self, loader, model=None):
+        """Every pack of `loader` (`get_eval_dataloader`) as a forward-only CP step: yields per pack
+        `(model, train_ctx, local, layout, index)` inside the model's eval mode, `no_grad` and the stock
+        evaluation's forward context; `index` is the pack's place in the epoch, None for a pack that only
+        fills the DP replicas' last round (it must weigh 0). `model`: the one to run (default: the
+        trained model, as evaluation runs it)."""
         sampler = loader.batch_sampler
         repeats = sampler.replica_repeats()
-        cp = resolve_cp_group(self.cp_mesh)
-        model = self._eval_model()
+        model = self._eval_model() if model is None else model
         was_training = model.training
         model.eval()
         try:
@@ -182,18 +181,28 @@ class ShardedEvaluationMixin:
                         self.cp_mesh, None, inputs, padding_token_id=self.packing.pad_token_id, config=self.cp_config,
                         model=model,
                     )
-                    local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
-                    with train_ctx():
-                        out = model(**local)
-                    if on_pack is not None:
-                        on_pack(out, local, bool(repeat))
-                    targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
-                    pack = {"totals": [0.0, 0, 0] if repeat else
-                            [float(out.loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())]}
-                    if with_logits:
-                        pack["index"] = None if repeat else j * sampler.dp_size + sampler.dp_rank
-                        pack["logits"] = _in_pack_order(out.logits[0].float(), layout, cp)
-                        pack["labels"] = _in_pack_order(local["shift_labels"][0], layout, cp)
-                    yield pack
+                    yield model, train_ctx, local, layout, None if repeat else j * sampler.dp_size + sampler.dp_rank
         finally:
             model.train(was_training)
+
+    def _sharded_forward(self, loader, with_logits: bool, on_pack=None):
+        """Forward only, every pack of `loader` through the shard step under CP (`_eval_steps`). Yields
+        per pack this rank's `totals` (token-loss sum, targets, real tokens; zeros for fill packs), and
+        with `with_logits` the pack's logits and shifted labels in pack order (gathered over the CP
+        group) and its index in the epoch (None for a fill pack). `on_pack(outputs, local, fill)` is
+        called after each forward."""
+        cp = resolve_cp_group(self.cp_mesh)
+        for model, train_ctx, local, layout, index in self._eval_steps(loader):
+            local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
+            with train_ctx():
+                out = model(**local)
+            if on_pack is not None:
+                on_pack(out, local, index is None)
+            targets = int(local["shift_labels"].ne(IGNORE_INDEX).sum())
+            pack = {"totals": [0.0, 0, 0] if index is None else
+                    [float(out.loss) if targets else 0.0, targets, int(local["document_ids"].gt(0).sum())]}
+            if with_logits:
+                pack["index"] = index
+                pack["logits"] = _in_pack_order(out.logits[0].float(), layout, cp)
+                pack["labels"] = _in_pack_order(local["shift_labels"][0], layout, cp)
+            yield pack

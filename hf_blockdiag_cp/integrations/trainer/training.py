@@ -181,9 +181,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         c = self.cp_coordinates
         tally = torch.zeros(2 + c.world_size, dtype=torch.int64)
         for batch in batches:
-            labels = batch.get("shift_labels")
-            if labels is not None:
-                tally[0] += int(labels.ne(IGNORE_INDEX).sum())
+            tally[0] += self._micro_batch_items(batch)
             tally[1] += batch["input_ids"].shape[1]
             tally[2 + c.rank] += int(batch["document_ids"].gt(0).sum())
         # Packs with labels but no target, each once: counted by the first rank of its CP group.
@@ -194,6 +192,13 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         self.cp_tokens_trained += int(tally[2:].sum())
         num_items = torch.tensor(float(max(int(tally[0]), 1)), device=device) if batches else None
         return batches, num_items
+
+    def _micro_batch_items(self, batch: dict) -> int:
+        """What the loss of one micro-batch is normalised over, this rank's share: its shard's targets
+        (the preference trainers count pairs). Summed over the optimizer step and every rank, it is the
+        `num_items_in_batch` that `compute_loss` receives."""
+        labels = batch.get("shift_labels")
+        return 0 if labels is None else int(labels.ne(IGNORE_INDEX).sum())
 
     # ---------------------------------------------------------------- step and loss
 

@@ -1,7 +1,7 @@
 """TRL integration: `BlockdiagCPSFTTrainer`, TRL's `SFTTrainer` with packed SFT under exact
-block-diagonal CP (`sft`), the loader that turns TRL's packed rows into sharded packs
-(`packs`), and TRL's token metrics combined over the CP group (`metrics`). Needs the `[trl]`
-extra (trl >= 1.16)."""
+block-diagonal CP (`sft`, its loader `packs`, its token metrics `metrics`), and the preference
+trainers on packed pairs (`preference`): `BlockdiagCPDPOTrainer` (`dpo`, its losses `dpo_loss`) and
+`BlockdiagCPRewardTrainer` (`reward`). Needs the `[trl]` extra (trl >= 1.16)."""
 
 try:
     import trl  # noqa: F401
@@ -10,7 +10,9 @@ except ImportError as exc:  # pragma: no cover - trl is optional
         "hf_blockdiag_cp.integrations.trl needs TRL: pip install 'hf_blockdiag_cp[trl]' (trl >= 1.16)"
     ) from exc
 
+from .dpo import BlockdiagCPDPOTrainer
 from .packs import PrepackedBatchSampler, SFTPackCollator, prepacked_dataloader
 from .sft import BlockdiagCPSFTTrainer, check_sft_config
 
-__all__ = ["BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator", "check_sft_config", "prepacked_dataloader"]
+__all__ = ["BlockdiagCPDPOTrainer", "BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator",
+           "check_sft_config", "prepacked_dataloader"]

@@ -1,0 +1,225 @@
+"""`BlockdiagCPDPOTrainer`: TRL's `DPOTrainer` on packed pairs under exact block-diagonal CP.
+
+TRL prepares the data as it always does (prompt extraction, EOS, tokenization of text and
+conversations, dropping prompts that fill `max_length`); pre-tokenized `prompt_ids` /
+`chosen_ids` / `rejected_ids` are used as given. Each pair's two sequences (truncated as TRL's
+collator truncates them) go into one pack with other pairs, padding-free (`data.pairs`); the pack
+is sharded over the CP group. The policy and the reference run on the same shard step; their
+completion log-probs come per document from `logprobs.document_log_probs` (no `[tokens, vocab]`
+logits), and TRL 1.16's losses and metrics are computed from those sums (`dpo_loss`), per pair.
+
+The reference: `ref_model` (same architecture and vocabulary; it must use `blockdiag_cp` too), else
+for a PEFT policy the policy with its adapters disabled (or its "ref" adapter), else the log-probs
+precomputed before training (`precompute_ref_log_probs=True`, packed the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from trl import DPOConfig, DPOTrainer
+from trl.trainer.utils import use_adapter
+
+from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
+from ...logprobs import DocumentLogProbs, document_log_probs
+from ...model_patches import apply_model_patches
+from ..trainer.setup import world_group
+from .dpo_loss import PairTerms, check_loss_types, pair_losses
+from .preference import PairMetrics, PreferenceCPMixin, ratio
+from .references import check_reference, is_peft, pack_size, refuse_aux_loss, require_pair_columns
+
+DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
+            "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",
+            "top1_chosen")
+REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
+    """`trl.DPOTrainer` whose packed pairs train and evaluate sharded over a CP group, exactly per sequence.
+
+    Arguments: those of `DPOTrainer` (as keywords; no `data_collator`), plus
+      cp_size: ranks per CP group (1 = padding-free packing only); the world size must be a multiple.
+      max_tokens: the pack size, a multiple of 2*cp_size (default: 2 * DPOConfig.max_length rounded up
+        to one); a pair (both sequences after truncation) must fit.
+      cp_config, cp_mesh: as for `BlockdiagCPSFTTrainer`.
+    `args` must be a `DPOConfig` with `per_device_train_batch_size=1` (one pack per micro-batch). Every
+    `loss_type` of TRL 1.16 runs (docs/usage.md says how `sft` and `aot` see a pack).
+    """
+
+    def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
+                 cp_config=None, cp_mesh=None, **kwargs):
+        if not isinstance(args, DPOConfig):
+            raise ValueError(f"args must be a trl.DPOConfig; got {type(args).__name__}")
+        check_loss_types(args)
+        refuse_aux_loss(args, "DPOConfig")
+        if args.use_liger_kernel:
+            raise ValueError("DPOConfig.use_liger_kernel is True; expected False: Liger's kernels are not verified "
+                             "under block-diagonal CP in the DPO trainer")
+        args.padding_free = False  # packs are padding-free here; TRL's own flag would only warn and fall back
+        self.pair_metrics = PairMetrics(DPO_SUMS)
+        self._pending_reference: list[str] = []
+        super().__init__(
+            model=model, ref_model=ref_model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
+            max_tokens=pack_size(max_tokens, args.max_length, cp_size),
+            pad_token_id=_pad_id(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
+        if self.aux_loss_enabled:
+            refuse_aux_loss(args, "DPOConfig", enabled=True)
+        if self.ref_model is not None:
+            check_reference(self.model, self.ref_model)
+            apply_model_patches(self.accelerator.unwrap_model(self.ref_model))
+        for name in self._pending_reference:  # TRL asked for them during its __init__, before the CP setup
+            self._store_reference(name)
+
+    # ---------------------------------------------------------------- data
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        """TRL's preparation; a pre-tokenized dataset (prompt_ids, chosen_ids, rejected_ids) as given."""
+        columns = require_pair_columns(dataset, dataset_name, ("prompt_ids", "chosen_ids", "rejected_ids"))
+        if {"prompt_ids", "chosen_ids", "rejected_ids"} <= columns:
+            return dataset
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _pair_reader(self):
+        return PromptCompletionPairs(self.args.max_length, self.args.truncation_mode)
+
+    def _pair_limits(self) -> str:
+        return f"each truncated to DPOConfig.max_length={self.args.max_length}"
+
+    def _pair_collator_options(self) -> dict:
+        return dict(labels=True, pair_columns=REF_COLUMNS, ld_alpha=self.ld_alpha)
+
+    # ---------------------------------------------------------------- reference log-probs
+
+    def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
+        """The reference's log-probs as dataset columns, computed packed under CP (TRL's columns)."""
+        if not hasattr(self, "cp_coordinates"):  # during DPOTrainer.__init__: after the CP setup
+            self._pending_reference.append(name)
+            return dataset
+        return self._with_reference_columns(dataset)
+
+    def _store_reference(self, name: str) -> None:
+        if name == "train":
+            self.train_dataset = self._with_reference_columns(self.train_dataset)
+        elif isinstance(self.eval_dataset, dict):
+            self.eval_dataset[name] = self._with_reference_columns(self.eval_dataset[name])
+        else:
+            self.eval_dataset = self._with_reference_columns(self.eval_dataset)
+
+    def _with_reference_columns(self, dataset):
+        if all(column in dataset.column_names for column in REF_COLUMNS):
+            return dataset
+        loader = self._packed_loader(dataset, shuffle=False, drop_last=False)
+        mine = []
+        reference, context = self._reference()
+        for _, train_ctx, local, _, index in self._eval_steps(loader, model=reference):
+            pairs = local.pop(PAIRS_KEY)
+            with train_ctx(), context:
+                sums = self._sequence_log_probs(reference, local, pairs).detach().cpu()
+            if index is not None and self.cp_coordinates.cp_rank == 0:
+                mine.extend(zip(pairs.indices.tolist(), sums.tolist()))
+        everyone = [mine]
+        if world_group(self.cp_coordinates.world_size) is not None:
+            everyone = [None] * self.cp_coordinates.world_size
+            dist.all_gather_object(everyone, mine)
+        values = dict(pair for part in everyone for pair in part)
+        columns = [[values[i][k] for i in range(len(dataset))] for k in (0, 1)]
+        for column, name in zip(columns, REF_COLUMNS):
+            dataset = dataset.add_column(name, column)
+        return dataset
+
+    def _reference(self):
+        """(the model that gives reference log-probs, the context it runs in)."""
+        if self.ref_model is not None:
+            return self.ref_model, contextlib.nullcontext()
+        if is_peft(self.model):
+            inner = self.accelerator.unwrap_model(self.model)
+            return self.model, use_adapter(inner, "ref" if "ref" in inner.peft_config else None)
+        return self.model, contextlib.nullcontext()  # precomputed before training: the policy is still the reference
+
+    # ---------------------------------------------------------------- loss
+
+    def _sequence_log_probs(self, model, local: dict, pairs, result: DocumentLogProbs | None = None,
+                            stats: tuple[str, ...] = ()):
+        """[P, 2] summed completion log-probs (chosen, rejected) of the pack's pairs, LD-DPO-weighted
+        with `ld_alpha`; `result` is reused when given, else the model runs."""
+        result = document_log_probs(model, local, stats=stats) if result is None else result
+        sums = result.sums
+        weight = pairs.streams.get("target_weight")
+        if weight is not None:
+            sums = result.per_document(result.token_log_probs * weight)
+        return sums.view(pairs.pairs, 2)
+
+    def _pair_losses(self, model, local: dict, pairs, mode: str, counted: bool) -> torch.Tensor:
+        if "ref_chosen_logps" in pairs.values:
+            ref = torch.stack([pairs.values[name] for name in REF_COLUMNS], dim=1).to(pairs.completion_tokens.device)
+        else:
+            reference, context = self._reference()
+            with torch.no_grad(), context:
+                ref = self._sequence_log_probs(reference, local, pairs)
+        stats = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        result = document_log_probs(model, local, stats=stats)
+        policy = self._sequence_log_probs(model, local, pairs, result)
+        counts = result.counts.view(pairs.pairs, 2)
+        weights = None
+        if self.use_weighting:  # WPO: exp(mean over the completion of log p - log Σ p²), per sequence
+            mean = (result.sums.detach() - result.stat_sums["log_sum_sq_probs"]).view(pairs.pairs, 2) / counts.clamp(min=1)
+            weights = torch.exp(mean).prod(dim=1)
+        tokens = pairs.completion_tokens.to(policy.device).float()
+        terms = PairTerms(policy[:, 0], policy[:, 1], ref[:, 0].to(policy.dtype), ref[:, 1].to(policy.dtype),
+                          tokens[:, 0], tokens[:, 1], result.sums.view(pairs.pairs, 2)[:, 0].sum(),
+                          counts[:, 0].sum(), weights)
+        losses = pair_losses(self.args, terms)
+        self._add_metrics(mode, terms, result, counts, counted and self.cp_coordinates.cp_rank == 0)
+        return losses
+
+    def _add_metrics(self, mode: str, terms: PairTerms, result: DocumentLogProbs, counts, counted: bool) -> None:
+        with torch.no_grad():
+            chosen = self.beta * (terms.chosen - terms.ref_chosen)
+            rejected = self.beta * (terms.rejected - terms.ref_rejected)
+            stat = {name: value.view(-1, 2) for name, value in result.stat_sums.items()}
+            sums = {"pairs": torch.tensor(float(chosen.numel())), "rewards_chosen": chosen, "rewards_rejected": rejected,
+                    "accuracies": (chosen > rejected).float(), "margins": chosen - rejected,
+                    "logps_chosen": terms.chosen, "logps_rejected": terms.rejected, "entropy": stat["entropy"],
+                    "targets": counts, "logits_chosen": stat["mean_logits"][:, 0], "targets_chosen": counts[:, 0],
+                    "logits_rejected": stat["mean_logits"][:, 1], "targets_rejected": counts[:, 1],
+                    "top1_chosen": stat["is_top1"][:, 0]}
+        self.pair_metrics.add(mode, sums, counted=counted)
+
+    def _finish_metrics(self, sums: dict[str, float], extremes) -> dict[str, float]:
+        pairs = sums["pairs"]
+        return {
+            "entropy": ratio(sums["entropy"], sums["targets"]),
+            "logits/chosen": ratio(sums["logits_chosen"], sums["targets_chosen"]),
+            "logits/rejected": ratio(sums["logits_rejected"], sums["targets_rejected"]),
+            "mean_token_accuracy": ratio(sums["top1_chosen"], sums["targets_chosen"]),
+            "rewards/chosen": ratio(sums["rewards_chosen"], pairs),
+            "rewards/rejected": ratio(sums["rewards_rejected"], pairs),
+            "rewards/accuracies": ratio(sums["accuracies"], pairs),
+            "rewards/margins": ratio(sums["margins"], pairs),
+            "logps/chosen": ratio(sums["logps_chosen"], pairs),
+            "logps/rejected": ratio(sums["logps_rejected"], pairs),
+        }
+
+    def _prepare_eval_pairs(self, dataset, name: str):
+        """As TRL's `evaluate` prepares a dataset it is given: tokenized, and with the reference's
+        log-probs when they are precomputed (refused after training began without a reference)."""
+        if self.precompute_ref_logps and self.ref_model is None and not is_peft(self.model) and self.state.global_step > 0:
+            raise ValueError(
+                "precompute_ref_log_probs=True without a ref_model: the reference is the policy before training, so "
+                "a dataset passed to evaluate() after training began has no reference; pass it as eval_dataset at "
+                "construction or give a ref_model"
+            )
+        dataset = super()._prepare_eval_pairs(dataset, name)
+        return self._with_reference_columns(dataset) if self.precompute_ref_logps else dataset
+
+
+def _pad_id(processing_class) -> int:
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return 0 if pad is None else int(pad)

@@ -1,0 +1,207 @@
+"""What the preference trainers (DPO, reward models) share under block-diagonal CP.
+
+`PreferenceCPMixin` sits on `BlockdiagCPTrainerMixin` (one CP step per micro-batch, the same pack on
+the CP peers of a DP replica) and replaces what is token-level there by pairs:
+- data: TRL's prepared pairs packed whole (`data.pairs`): both sequences of a pair in one pack;
+- the loss: `_pair_losses` (the trainer's) gives one loss per pair of the pack, the same on every
+  rank of the CP group (it is built from per-document sums over the group); each rank's loss is
+  `Σ pack losses · dp_size / P`, P the pairs of the optimizer step over every DP replica, so the
+  mean over the ranks is TRL's mean over pairs, and so is the mean gradient (invariant I2);
+- TRL's metrics, as sums per pair (and per target for the token metrics) over every micro-batch
+  since the last log, reduced once when the trainer logs (`PairMetrics`);
+- `evaluate`: the same losses and metrics over the eval pairs, forward only, sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...data.pairs import PAIRS_KEY, PairBatch, PairPackCollator, check_pairs_fit, pair_dataloader, pair_lengths
+from ...step import STEP_KWARG
+from ..trainer import BlockdiagCPTrainerMixin
+from ..trainer.setup import sum_over_world, world_group
+
+MODES = ("train", "eval")
+
+
+class PairMetrics:
+    """This rank's rows of metric sums since the last log, per mode: one row per micro-batch (a CP
+    group adds it on its CP rank 0 only: every rank of the group holds the same sums), `sums` columns
+    added over the world and the rows, `extremes` (per-row maxima, e.g. of -min and max rewards)
+    taken over the world per row and then averaged over the rows, as TRL averages its micro-batches."""
+
+    def __init__(self, sums: tuple[str, ...], extremes: tuple[str, ...] = ()):
+        self.sums, self.extremes = sums, extremes
+        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {mode: [] for mode in MODES}
+
+    def add(self, mode: str, sums: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor] | None = None,
+            counted: bool = True) -> None:
+        """One micro-batch; `counted=False` (another CP rank, or a pack that only fills an eval round)
+        adds a neutral row, as every rank must add one."""
+        row = torch.zeros(len(self.sums), dtype=torch.float64)
+        high = torch.full((len(self.extremes),), -torch.inf, dtype=torch.float64)
+        if counted:
+            row = torch.stack([sums[name].detach().double().sum().cpu() for name in self.sums])
+            if self.extremes:
+                high = torch.stack([extremes[name].detach().double().max().cpu() for name in self.extremes])
+        self.rows[mode].append((row, high))
+
+    def pop(self, mode: str, world_size: int) -> tuple[dict[str, float], torch.Tensor] | None:
+        """(the sums over the world and the rows, the per-row world maxima averaged over the rows that
+        counted), or None without rows; collective when there are rows (every rank has as many)."""
+        rows, self.rows[mode] = self.rows[mode], []
+        if not rows:
+            return None
+        sums = sum_over_world(torch.stack([r for r, _ in rows]), world_size)
+        highs = torch.stack([h for _, h in rows])
+        if self.extremes:
+            group = world_group(world_size)
+            if group is not None:
+                from ...comm.consensus import collective_device
+
+                highs = highs.to(collective_device(group))
+                dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
+                highs = highs.cpu()
+        kept = torch.isfinite(highs).all(dim=1) if self.extremes else torch.zeros(0, dtype=torch.bool)
+        mean_high = highs[kept].mean(dim=0) if bool(kept.any()) else torch.full((len(self.extremes),), torch.nan)
+        return dict(zip(self.sums, sums.sum(dim=0).tolist())), mean_high
+
+
+class PreferenceCPMixin(BlockdiagCPTrainerMixin):
+    """Pair packing, per-pair loss normalisation, metrics and sharded evaluation for TRL's preference
+    trainers; a trainer defines `_pair_reader()`, `_pair_collator_options()`, `_pair_losses(model,
+    local, pairs, mode, counted)` and `_finish_metrics(sums, extremes)`."""
+
+    pair_metrics: PairMetrics
+
+    def _pair_reader(self):
+        raise NotImplementedError
+
+    def _pair_collator_options(self) -> dict:
+        return {}
+
+    def _pair_limits(self) -> str:
+        """Which settings bound a pair's length, for the error of a pair longer than the pack."""
+        return "no truncation"
+
+    def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
+        """Whole pairs per pack for this rank (the mixin's hook behind training and evaluation data)."""
+        if dataset is None or len(dataset) == 0:
+            raise ValueError("the dataset holds no preference pair (after TRL's preparation and filtering)")
+        reader = self._pair_reader()
+        lengths = pair_lengths(dataset, reader)
+        check_pairs_fit(lengths, self.packing.max_tokens, self._pair_limits())
+        c = self.cp_coordinates
+        options = self._loader_options(shuffle, drop_last)
+        collator = PairPackCollator(reader, self.packing.max_tokens, self.packing.pad_token_id, c.cp_size, c.cp_rank,
+                                    options["cp_config"], **self._pair_collator_options())
+        return pair_dataloader(dataset, collator, lengths, self.packing.max_tokens, dp_size=c.dp_size, dp_rank=c.dp_rank,
+                               seed=options["seed"], shuffle=shuffle, drop_last=drop_last,
+                               num_workers=options["num_workers"])
+
+    def _micro_batch_items(self, batch: dict) -> int:
+        """Pairs, counted by CP rank 0 of each group (its peers hold the same pack)."""
+        return batch[PAIRS_KEY].pairs if self.cp_coordinates.cp_rank == 0 else 0
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """This rank's share of the step's mean loss over pairs: Σ pack losses · dp_size / P (class docstring);
+        without `num_items_in_batch` (a direct call) the pack's mean."""
+        if STEP_KWARG not in inputs or PAIRS_KEY not in inputs:
+            raise ValueError(
+                f"{type(self).__name__}.compute_loss takes a CP step's local batch of packed pairs (training_step "
+                "builds it); the stock padded batches of TRL are not used"
+            )
+        local = dict(inputs)
+        pairs: PairBatch = local.pop(PAIRS_KEY)
+        mode = "train" if self.model.training else "eval"
+        losses = self._pair_losses(model, local, pairs, mode, counted=True)
+        if num_items_in_batch is None:
+            loss = losses.sum() / max(pairs.pairs, 1)
+        else:
+            loss = losses.sum() * self.cp_coordinates.dp_size / num_items_in_batch
+        return (loss, {"pair_losses": losses.detach()}) if return_outputs else loss
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Sharded evaluation: `{prefix}_loss` is the mean loss over every eval pair (TRL's, for a batch
+        holding them all), and TRL's metrics as `{prefix}_*`, each pair counted once."""
+        dataset = self._eval_pairs(eval_dataset, metric_key_prefix)
+        if isinstance(dataset, dict):
+            metrics: dict[str, float] = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if self.compute_metrics is not None:
+            raise ValueError(f"compute_metrics is not supported by {type(self).__name__}'s sharded evaluation")
+        started = time.time()
+        loader = self.get_eval_dataloader(dataset)
+        totals = torch.zeros(2, dtype=torch.float64)  # loss sum, pairs
+        first = self.cp_coordinates.cp_rank == 0
+        for model, train_ctx, local, _, index in self._eval_steps(loader):
+            pairs = local.pop(PAIRS_KEY)
+            counted = index is not None
+            with train_ctx():
+                losses = self._pair_losses(model, local, pairs, "eval", counted=counted)
+            if counted and first:
+                totals += torch.tensor([float(losses.sum()), pairs.pairs], dtype=torch.float64)
+        loss_sum, count = sum_over_world(totals, self.cp_coordinates.world_size).tolist()
+        runtime = time.time() - started
+        metrics = {f"{metric_key_prefix}_loss": loss_sum / count if count else float("nan"),
+                   f"{metric_key_prefix}_runtime": round(runtime, 4),
+                   f"{metric_key_prefix}_samples_per_second": round(count / runtime, 3) if runtime > 0 else float("nan")}
+        with self._in_mode("eval"):
+            self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def _eval_pairs(self, dataset, prefix: str):
+        """The eval dataset(s) as the trainer prepares them (a dataset given to `evaluate` is prepared as
+        TRL prepares eval data; the ones prepared at construction pass as they are)."""
+        if dataset is None:
+            return self.eval_dataset
+        if isinstance(dataset, str):
+            return self.eval_dataset[dataset]
+        own = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if any(dataset is d for d in own):
+            return dataset
+        if isinstance(dataset, dict):
+            return {name: self._prepare_eval_pairs(part, name) for name, part in dataset.items()}
+        return self._prepare_eval_pairs(dataset, prefix)
+
+    def _prepare_eval_pairs(self, dataset, name: str):
+        return self._prepare_dataset(dataset, self.processing_class, self.args, name)
+
+    @contextlib.contextmanager
+    def _in_mode(self, mode: str):
+        """The model in `mode` (TRL files its logs by the model's mode)."""
+        was_training = self.model.training
+        self.model.train(mode == "train")
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    # ---------------------------------------------------------------- logging
+
+    def _finish_metrics(self, sums: dict[str, float], extremes: torch.Tensor) -> dict[str, float]:
+        raise NotImplementedError
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        """TRL's metrics of the mode since the last log (one all-reduce on every rank), as TRL names them."""
+        mode = "train" if self.model.training else "eval"
+        popped = self.pair_metrics.pop(mode, self.cp_coordinates.world_size)
+        if popped is not None:
+            metrics = self._finish_metrics(*popped)
+            metrics["num_tokens"] = float(self.cp_tokens_trained)
+            logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})
+        super().log(logs, *args, **kwargs)
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, 0 for an empty denominator (as TRL logs an empty mean)."""
+    return numerator / denominator if denominator else 0.0

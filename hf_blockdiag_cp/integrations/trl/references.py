@@ -1,0 +1,87 @@
+"""Setup checks of the preference trainers: the pack size, the datasets' columns, the reference model,
+MoE auxiliary losses. Each raises ValueError naming the field, on every rank alike."""
+
+from __future__ import annotations
+
+from ...step.model_support import configured_model
+from ..transformers import ATTN_IMPLEMENTATION
+from ...compat.transformers import attn_implementation
+
+
+def pack_size(max_tokens: int | None, max_length: int | None, cp_size: int) -> int:
+    """`max_tokens`, or by default 2 * `max_length` (a whole pair at the longest) rounded up to a multiple of 2*cp_size."""
+    if max_tokens is not None:
+        return max_tokens
+    if max_length is None:
+        raise ValueError("max_tokens is required when max_length is None: it is the pack size (a multiple of 2*cp_size)")
+    step = 2 * cp_size
+    return -(-2 * max_length // step) * step
+
+
+def refuse_aux_loss(args, config_name: str, enabled: bool = False) -> None:
+    """Refuse a MoE router auxiliary loss: under CP each rank would add its own shard's."""
+    coef = getattr(args, "router_aux_loss_coef", None)
+    if enabled or coef:
+        raise ValueError(
+            f"the MoE router auxiliary loss is on (router_aux_loss_coef={coef}); expected {config_name}("
+            "router_aux_loss_coef=0.0): under CP each rank would add its own shard's auxiliary loss"
+        )
+
+
+def column_names(dataset) -> set[str]:
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        first = next(iter(dataset), None)
+        names = list(first.keys()) if hasattr(first, "keys") else []
+    return set(names)
+
+
+def require_pair_columns(dataset, name: str, tokenized: tuple[str, ...]) -> set[str]:
+    """The dataset's columns; raise unless it holds preference pairs (text `chosen` / `rejected`, with or
+    without `prompt`, or the pre-tokenized `tokenized` columns)."""
+    columns = column_names(dataset)
+    if {"chosen", "rejected"} <= columns or set(tokenized) <= columns:
+        return columns
+    raise ValueError(
+        f"the {name} dataset has columns {sorted(columns)}; expected preference pairs: 'chosen' and 'rejected' (text or "
+        f"conversational, with or without 'prompt') or pre-tokenized {list(tokenized)}. A prompt-only dataset is for "
+        "GRPO / RLOO, not for preference training"
+    )
+
+
+def is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is optional
+        return False
+    inner = getattr(model, "module", model)
+    return isinstance(inner, PeftModel)
+
+
+def _base(model):
+    inner = configured_model(model)
+    get_base = getattr(inner, "get_base_model", None)
+    return get_base() if callable(get_base) and is_peft(inner) else inner
+
+
+def check_reference(model, ref_model) -> None:
+    """Raise unless `ref_model` is the policy's architecture with its vocabulary, on `blockdiag_cp`."""
+    policy, ref = _base(model), configured_model(ref_model)
+    if type(ref).__name__ != type(policy).__name__ or ref.config.model_type != policy.config.model_type:
+        raise ValueError(
+            f"ref_model is a {type(ref).__name__} ({ref.config.model_type}); expected the policy's architecture, "
+            f"{type(policy).__name__} ({policy.config.model_type}): the reference runs on the same shard step"
+        )
+    vocab = [m.get_output_embeddings().weight.shape[0] for m in (policy, ref)]
+    if vocab[0] != vocab[1]:
+        raise ValueError(
+            f"ref_model has a vocabulary of {vocab[1]} tokens; expected the policy's {vocab[0]}: the log-prob ratios "
+            "compare the same tokens"
+        )
+    impl = attn_implementation(ref.config)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"ref_model's attention implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r} (load it with "
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} or call ref_model.set_attn_implementation("
+            f"{ATTN_IMPLEMENTATION!r})): it runs on the policy's CP shards"
+        )

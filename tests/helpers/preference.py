@@ -1,0 +1,138 @@
+"""Data, models and the stock-TRL reference of the preference tests (DPO, reward models).
+
+The reference is TRL's own `DPOTrainer` / `RewardTrainer` run the stock way: one process, every
+pair in one padded batch, the stock model with `attn_implementation="eager"`, no CP. The
+BlockdiagCP trainers run the same pairs packed (one or more packs, any dp x cp), with the same
+initial weights, and one optimizer step of plain SGD: their loss, every parameter gradient
+(captured before the optimizer step) and every logged metric must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+
+from helpers.reference import tiny_config as llama_config
+from helpers.sft import _sentence, char_tokenizer  # noqa: F401 (re-exported)
+from helpers.trainer import trainer_settings
+
+FAMILIES = ("llama", "qwen3", "gemma2", "qwen3_5", "nemotron_h")
+LOSS_TOL = 1e-4  # relative, loss and every parameter gradient
+METRIC_TOL = 1e-5  # every logged metric: absolute, relative to its magnitude where that is above 1 (fp32 sums)
+PACK = 1344  # a multiple of 2*G for G = 1..4 that holds every pair of `preference_rows(long_chars=800)`
+
+
+
+def tiny_config(family: str):
+    """The parity tests' tiny configs (helpers.reference / helpers.model_zoo), no KV cache."""
+    from helpers import model_zoo
+
+    if family == "llama":
+        config = llama_config("llama")
+    elif family in ("qwen3_5", "nemotron_h"):
+        config = model_zoo.tiny_hybrid_config(family)
+    else:
+        config = model_zoo.tiny_config(family)
+    config.use_cache = False
+    return config
+
+
+def policy_model(family: str, attn: str, seed: int = 0, head: str = "causal_lm"):
+    """The family's tiny model (causal LM, or a 1-label sequence classifier) with the seed's weights;
+    decays slowed as the hybrid parity tests slow them (a state then lasts many tokens)."""
+    from helpers.model_zoo import slow_decays
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    if head == "causal_lm":
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    else:
+        config.num_labels = 1
+        model = AutoModelForSequenceClassification.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    slow_decays(model)
+    return model
+
+
+def reference_model(policy, scale: float = 0.05, seed: int = 1):
+    """A reference that differs from the policy (so the rewards and their gradients are not zero)."""
+    ref = copy.deepcopy(policy)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    return ref
+
+
+def preference_rows(count: int = 8, seed: int = 3, long_chars: int = 0) -> list[dict]:
+    """Text pairs whose lengths differ more than 10x (a one-word completion beside a long one); with
+    `long_chars`, the first pair's chosen completion has about that many characters."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(count):
+        words = (1, 14) if i % 2 else (1, 3)
+        rows.append({"prompt": _sentence(rng, rng.randint(1, 5)) + " ", "chosen": _sentence(rng, rng.randint(*words)),
+                     "rejected": _sentence(rng, rng.randint(*words))})
+    if long_chars:
+        long = ""
+        while len(long) < long_chars:
+            long += _sentence(rng, 8) + " "
+        rows[0]["chosen"] = long[:long_chars]
+    return rows
+
+
+def preference_dataset(rows: list[dict]):
+    from datasets import Dataset
+
+    return Dataset.from_list(rows)
+
+
+def dpo_config(output_dir: str, pairs: int, **overrides):
+    """SGD, one optimizer step, fp32; the stock trainer takes every pair in one batch (its
+    per_device_train_batch_size is set by the caller)."""
+    from trl import DPOConfig
+
+    settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "max_length": 1024, "gradient_checkpointing": False,
+                "per_device_eval_batch_size": pairs, "disable_dropout": True}
+    return DPOConfig(**{**settings, **overrides})
+
+
+def reward_config(output_dir: str, pairs: int, **overrides):
+    from trl import RewardConfig
+
+    settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "max_length": 1024, "gradient_checkpointing": False,
+                "per_device_eval_batch_size": pairs, "disable_dropout": True}
+    return RewardConfig(**{**settings, **overrides})
+
+
+class GradCapture(TrainerCallback):
+    """Every parameter's gradient right before the optimizer step (the first one), by parameter name."""
+
+    def __init__(self):
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.grads:
+            inner = getattr(model, "module", model)
+            self.grads = {n: p.grad.detach().cpu().clone() for n, p in inner.named_parameters() if p.grad is not None}
+
+
+def training_logs(trainer) -> dict:
+    """The first training log (the step's loss and TRL's metrics)."""
+    return next(h for h in trainer.state.log_history if "loss" in h)
+
+
+def compare_runs(got: dict, want: dict, what: str, metrics: tuple[str, ...]) -> None:
+    """Loss and gradients relative (LOSS_TOL), `metrics` absolute (METRIC_TOL); `got` / `want`: `{"logs", "grads"}`."""
+    glog, wlog = got["logs"], want["logs"]
+    assert abs(glog["loss"] - wlog["loss"]) <= LOSS_TOL * abs(wlog["loss"]), f"{what}: loss {glog['loss']} vs {wlog['loss']}"
+    for name in metrics:
+        assert name in glog, f"{what}: {name} not logged (logged: {sorted(glog)})"
+        bound = METRIC_TOL * max(1.0, abs(wlog[name]))
+        assert abs(glog[name] - wlog[name]) <= bound, f"{what}: {name} {glog[name]} vs {wlog[name]}"
+    assert set(got["grads"]) == set(want["grads"]), f"{what}: gradients of {set(got['grads']) ^ set(want['grads'])}"
+    for name, ref in want["grads"].items():
+        err = float((got["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert err <= LOSS_TOL or float(ref.norm()) < 1e-9, f"{what}: gradient of {name} off by {err:.2e} (relative)"
