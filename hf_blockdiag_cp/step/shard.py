@@ -197,13 +197,13 @@ def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: 
 
 
 def local_rows(values: torch.Tensor, info: ShardInfo, fill=0) -> torch.Tensor:
-    """A per-position row of the full pack (`[S]`, S the pack's length before padding or after) as the
-    rank's shard `[1, L]`, laid out as `shard_batch` laid out the pack that `info` describes; padding
-    positions get `fill`. For streams a caller computes on the full pack (e.g. per-target weights)."""
+    """A per-position row of the full pack (`[n]`: its first n positions, n at most the padded length) as
+    the rank's shard `[1, L]`, laid out as `shard_batch` laid out the pack that `info` describes;
+    positions past n get `fill`. For streams a caller computes on the full pack (e.g. per-target weights)."""
     layout = info.layout
-    if values.ndim != 1 or values.numel() not in (layout.original_seq_len, layout.padded_seq_len):
-        raise ValueError(f"values must be [S] with S = {layout.original_seq_len} (or {layout.padded_seq_len} padded); "
-                         f"got shape {tuple(values.shape)}")
+    if values.ndim != 1 or values.numel() > layout.padded_seq_len:
+        raise ValueError(f"values must be [n] with n <= {layout.padded_seq_len} (the padded pack); got shape "
+                         f"{tuple(values.shape)}")
     padded = _pad_seq(values, layout.padded_seq_len, fill, dim=0)
     return padded[layout.slot_positions[info.cp_rank].to(padded.device)].unsqueeze(0)
 

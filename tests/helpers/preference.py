@@ -136,3 +136,24 @@ def compare_runs(got: dict, want: dict, what: str, metrics: tuple[str, ...]) -> 
     for name, ref in want["grads"].items():
         err = float((got["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err <= LOSS_TOL or float(ref.norm()) < 1e-9, f"{what}: gradient of {name} off by {err:.2e} (relative)"
+
+
+def reward_classifier(family: str, attn: str, seed: int = 0):
+    """`policy_model(..., head="sequence_classifier")`; NemotronH, which Transformers gives no sequence
+    classifier, gets Transformers' generic one on its backbone (what a user would write)."""
+    if family != "nemotron_h":
+        return policy_model(family, attn, seed, head="sequence_classifier")
+    from helpers.model_zoo import slow_decays
+    from transformers.modeling_layers import GenericForSequenceClassification
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHPreTrainedModel
+
+    class NemotronHForSequenceClassification(GenericForSequenceClassification, NemotronHPreTrainedModel):
+        pass
+
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config.num_labels = 1
+    config._attn_implementation = attn
+    model = NemotronHForSequenceClassification(config).float()
+    slow_decays(model)
+    return model

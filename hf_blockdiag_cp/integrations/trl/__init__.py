@@ -12,7 +12,8 @@ except ImportError as exc:  # pragma: no cover - trl is optional
 
 from .dpo import BlockdiagCPDPOTrainer
 from .packs import PrepackedBatchSampler, SFTPackCollator, prepacked_dataloader
+from .reward import BlockdiagCPRewardTrainer
 from .sft import BlockdiagCPSFTTrainer, check_sft_config
 
-__all__ = ["BlockdiagCPDPOTrainer", "BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator",
+__all__ = ["BlockdiagCPDPOTrainer", "BlockdiagCPRewardTrainer", "BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator",
            "check_sft_config", "prepacked_dataloader"]

@@ -28,7 +28,7 @@ from ...model_patches import apply_model_patches
 from ..trainer.setup import world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .references import check_reference, is_peft, pack_size, refuse_aux_loss, require_pair_columns
+from .references import check_reference, is_peft, pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
 
 DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
             "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",
@@ -65,7 +65,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             model=model, ref_model=ref_model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
             max_tokens=pack_size(max_tokens, args.max_length, cp_size),
-            pad_token_id=_pad_id(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
+            pad_token_id=pad_token_of(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         if self.aux_loss_enabled:
             refuse_aux_loss(args, "DPOConfig", enabled=True)
         if self.ref_model is not None:
@@ -216,10 +216,3 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         dataset = super()._prepare_eval_pairs(dataset, name)
         return self._with_reference_columns(dataset) if self.precompute_ref_logps else dataset
 
-
-def _pad_id(processing_class) -> int:
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    pad = getattr(tokenizer, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tokenizer, "eos_token_id", None)
-    return 0 if pad is None else int(pad)

@@ -85,3 +85,12 @@ def check_reference(model, ref_model) -> None:
             f"attn_implementation={ATTN_IMPLEMENTATION!r} or call ref_model.set_attn_implementation("
             f"{ATTN_IMPLEMENTATION!r})): it runs on the policy's CP shards"
         )
+
+
+def pad_token_of(processing_class) -> int:
+    """The pack's padding token: the tokenizer's pad token, else its EOS (as TRL pads), else 0."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+    return 0 if pad is None else int(pad)

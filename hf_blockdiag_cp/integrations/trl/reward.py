@@ -1,0 +1,125 @@
+"""`BlockdiagCPRewardTrainer`: TRL's `RewardTrainer` on packed pairs under exact block-diagonal CP.
+
+A sequence classifier (`AutoModelForSequenceClassification`, `num_labels=1`) scores every token of its
+shard; the reward of a sequence is the score at its last token, which may sit on any rank of the CP
+group: each rank keeps the scores of the last tokens it holds (`PairBatch.streams["last_token"]`) and
+one differentiable all-reduce gives every rank every sequence's reward (`logprobs.per_document_sum`).
+The model's own pooling (the last non-padding token of its shard) is not used. TRL's pairwise loss
+(with its `margin` column and `center_rewards_coefficient`) and its metrics follow, per pair.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from trl import RewardConfig, RewardTrainer
+
+from ...data.pairs import WholePairs
+from ...logprobs import per_document_sum
+from ...step import STEP_KWARG
+from ...step.model_support import configured_model
+from .preference import PairMetrics, PreferenceCPMixin, ratio
+from .references import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
+
+REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
+REWARD_EXTREMES = ("neg_min_reward", "max_reward")
+
+
+def score_module(model) -> torch.nn.Module:
+    """The head that maps hidden states to per-token scores (`score` of Transformers' sequence classifiers)."""
+    inner = configured_model(model)
+    head = getattr(inner, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise ValueError(
+            f"{type(inner).__name__} has no `score` head; expected a Transformers sequence classifier "
+            "(AutoModelForSequenceClassification with num_labels=1), whose `score` maps every token to a reward"
+        )
+    return head
+
+
+@contextlib.contextmanager
+def captured_scores(model):
+    """Yields a dict that holds, after the forward, the score head's output `[1, L, num_labels]`."""
+    box: dict[str, torch.Tensor] = {}
+
+    def keep(module, args, output):
+        box.setdefault("scores", output)
+
+    handle = score_module(model).register_forward_hook(keep)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+def sequence_rewards(model, local: dict, last_token: torch.Tensor) -> torch.Tensor:
+    """[D] the reward of every sequence of the pack (its last token's score), the same on every rank of
+    the CP group, differentiable; `last_token` [1, L] marks the shard's last tokens."""
+    step = local.get(STEP_KWARG)
+    with captured_scores(model) as box:
+        model(**local)
+    scores = box.get("scores")
+    if scores is None or scores.shape[:2] != last_token.shape or scores.shape[-1] != 1:
+        raise ValueError(
+            f"the score head gave {None if scores is None else tuple(scores.shape)}; expected [1, L, 1] per token of the "
+            "shard (a reward model has num_labels=1)"
+        )
+    count = int(step.layout.document_ids.max()) if step is not None else int(local["document_ids"].max())
+    values = scores[0, :, 0] * last_token[0].to(scores.dtype)
+    return per_document_sum(values, local["document_ids"], count, None if step is None else step.group)
+
+
+class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
+    """`trl.RewardTrainer` whose packed pairs train and evaluate sharded over a CP group.
+
+    Arguments: those of `RewardTrainer` (as keywords; no `data_collator`), plus `cp_size`, `max_tokens`
+    (the pack size; default 2 * RewardConfig.max_length rounded up to a multiple of 2*cp_size),
+    `cp_config` and `cp_mesh`, as for `BlockdiagCPDPOTrainer`. `per_device_train_batch_size=1`.
+    """
+
+    def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
+                 cp_config=None, cp_mesh=None, **kwargs):
+        if not isinstance(args, RewardConfig):
+            raise ValueError(f"args must be a trl.RewardConfig; got {type(args).__name__}")
+        refuse_aux_loss(args, "RewardConfig")
+        self.pair_metrics = PairMetrics(REWARD_SUMS, REWARD_EXTREMES)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
+            max_tokens=pack_size(max_tokens, args.max_length, cp_size), pad_token_id=pad_token_of(processing_class),
+            cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
+        score_module(self.model)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        require_pair_columns(dataset, dataset_name, ("chosen_ids", "rejected_ids"))
+        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+    def _pair_reader(self):
+        return WholePairs()
+
+    def _pair_collator_options(self) -> dict:
+        return dict(labels=False, pair_columns=("margin",), last_token=True)
+
+    def _pair_losses(self, model, local: dict, pairs, mode: str, counted: bool) -> torch.Tensor:
+        rewards = sequence_rewards(model, local, pairs.streams["last_token"]).view(pairs.pairs, 2)
+        chosen, rejected = rewards[:, 0], rewards[:, 1]
+        margin = pairs.values.get("margin")
+        difference = chosen - rejected - (0.0 if margin is None else margin.to(rewards))
+        losses = -F.logsigmoid(difference)
+        if self.args.center_rewards_coefficient is not None:
+            losses = losses + self.args.center_rewards_coefficient * (chosen + rejected) ** 2
+        with torch.no_grad():
+            sums = {"pairs": torch.tensor(float(pairs.pairs)), "rewards": rewards, "accuracy": (chosen > rejected).float(),
+                    "margin": chosen - rejected}
+            extremes = {"neg_min_reward": -rewards.min(), "max_reward": rewards.max()}
+        self.pair_metrics.add(mode, sums, extremes, counted=counted and self.cp_coordinates.cp_rank == 0)
+        return losses
+
+    def _finish_metrics(self, sums: dict[str, float], extremes: torch.Tensor) -> dict[str, float]:
+        pairs = sums["pairs"]
+        return {"min_reward": -float(extremes[0]), "mean_reward": ratio(sums["rewards"], 2 * pairs),
+                "max_reward": float(extremes[1]), "accuracy": ratio(sums["accuracy"], pairs),
+                "margin": ratio(sums["margin"], pairs)}
