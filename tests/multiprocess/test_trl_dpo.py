@@ -17,6 +17,7 @@ from helpers.preference import (  # noqa: E402
     preference_rows, reference_model, training_logs,
 )
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
+from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES  # noqa: E402
 
 DPO_METRICS = ("entropy", "num_tokens", "logits/chosen", "logits/rejected", "mean_token_accuracy", "rewards/chosen",
                "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
@@ -76,3 +77,162 @@ def test_dpo_matches_trl_per_family(gloo, cp_size):
         want = stock_dpo(family, loss_type)
         for rank, got in enumerate(runs):
             compare_runs(got[family], want, f"{family} G={cp_size} rank {rank} {loss_type}", DPO_METRICS)
+
+
+# --------------------------------------------------------------------------- several packs, dp x cp, evaluation
+
+TWO_PACKS = 840  # the long pair fills one pack, the other pairs the second (a multiple of 2*cp for cp = 2)
+EVAL_METRICS = tuple(f"eval_{name}" for name in ("loss",) + DPO_METRICS if name != "num_tokens")
+
+
+@functools.cache
+def stock_dpo_evaluate(family: str) -> dict:
+    """TRL's DPOTrainer.evaluate, stock: every eval pair in one padded batch, before any training."""
+    import tempfile
+
+    from trl import DPOTrainer
+
+    rows = preference_rows(**ROWS)
+    with tempfile.TemporaryDirectory() as out:
+        policy = policy_model(family, "eager")
+        trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy), args=dpo_config(out, len(rows)),
+                                   train_dataset=preference_dataset(rows), eval_dataset=preference_dataset(rows),
+                                   processing_class=char_tokenizer()))
+        return trainer.evaluate()
+
+
+def packs_case(rank, world_size, group, family, cp_size, accumulation):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    rows = preference_rows(**ROWS)
+    with accelerate_env(rank, world_size) as out:
+        policy = policy_model(family, "blockdiag_cp")
+        args = dpo_config(out, len(rows), gradient_accumulation_steps=accumulation)
+        capture = GradCapture()
+        trainer = quiet(BlockdiagCPDPOTrainer(
+            model=policy, ref_model=reference_model(policy), args=args, train_dataset=preference_dataset(rows),
+            eval_dataset=preference_dataset(rows), processing_class=char_tokenizer(), cp_size=cp_size,
+            max_tokens=TWO_PACKS, callbacks=[capture]))
+        packs = len(trainer.get_train_dataloader())
+        evaluated = trainer.evaluate()
+        trainer.train()
+        return {"logs": training_logs(trainer), "grads": capture.grads, "eval": evaluated, "packs": packs}
+
+
+@pytest.mark.parametrize("world_size,cp_size,accumulation", [(2, 2, 2), (4, 2, 1)], ids=["dp1xcp2-accumulate", "dp2xcp2"])
+def test_dpo_over_several_packs_matches_trl(gloo, world_size, cp_size, accumulation):
+    """The pairs in two packs: one DP replica accumulating both, or one pack per replica. The step's loss
+    and gradient are the mean over every pair of the step (TRL's, for one batch of all pairs), each pair
+    weighed once; evaluate() before training equals TRL's evaluate on one batch of all pairs."""
+    family = "qwen3_5"
+    want = stock_dpo(family, "sigmoid")
+    stock_eval = stock_dpo_evaluate(family)
+    runs = gloo(world_size).run(packs_case, timeout=300, family=family, cp_size=cp_size, accumulation=accumulation)
+    for rank, got in enumerate(runs):
+        what = f"{family} world {world_size} cp {cp_size} rank {rank}"
+        assert got["packs"] * (world_size // cp_size) == 2, f"{what}: {got['packs']} packs per replica"
+        compare_runs(got, want, what, DPO_METRICS)
+        for name in EVAL_METRICS:
+            bound = 1e-5 * max(1.0, abs(stock_eval[name]))
+            assert abs(got["eval"][name] - stock_eval[name]) <= bound, f"{what}: {name} {got['eval'][name]} vs {stock_eval[name]}"
+
+
+# --------------------------------------------------------------------------- LoRA, precomputed reference, loss types
+
+def _lora():
+    from peft import LoraConfig
+
+    # random B (init_lora_weights=False): the policy starts away from its reference, the base model
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, init_lora_weights=False)
+
+
+PRECOMPUTED = ("precompute", "precompute_policy")
+
+
+def _trainer_kwargs(variant: str, policy) -> dict:
+    """The reference of each variant: LoRA (adapters disabled), the initial policy (precomputed), or a model."""
+    if variant == "lora":
+        return {"peft_config": _lora()}
+    if variant == "precompute_policy":
+        return {}
+    return {"ref_model": reference_model(policy)}
+
+
+@functools.cache
+def stock_variant(variant: str, options: tuple = (), rows: tuple = tuple(ROWS.items())) -> dict:
+    """TRL's stock DPOTrainer (llama, one padded batch, one process) with a LoRA policy, a precomputed
+    reference, or a reference model, and DPOConfig `options`."""
+    import tempfile
+
+    from trl import DPOTrainer
+
+    rows = preference_rows(**dict(rows))
+    with tempfile.TemporaryDirectory() as out:
+        policy = policy_model("llama", "eager")
+        args = dpo_config(out, len(rows), per_device_train_batch_size=len(rows),
+                          precompute_ref_log_probs=variant in PRECOMPUTED, **_config_options(options))
+        capture = GradCapture()
+        trainer = quiet(DPOTrainer(model=policy, args=args, train_dataset=preference_dataset(rows),
+                                   processing_class=char_tokenizer(), callbacks=[capture],
+                                   **_trainer_kwargs(variant, policy)))
+        trainer.train()
+        return {"logs": training_logs(trainer), "grads": capture.grads}
+
+
+def variant_case(rank, world_size, group, variant, option_sets=((),), rows=tuple(ROWS.items())):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    rows = preference_rows(**dict(rows))
+    results = {}
+    for options in option_sets:
+        with accelerate_env(rank, world_size) as out:
+            policy = policy_model("llama", "blockdiag_cp")
+            args = dpo_config(out, len(rows), precompute_ref_log_probs=variant in PRECOMPUTED, **_config_options(options))
+            capture = GradCapture()
+            trainer = quiet(BlockdiagCPDPOTrainer(
+                model=policy, args=args, train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
+                cp_size=world_size, max_tokens=PACK, callbacks=[capture], **_trainer_kwargs(variant, policy)))
+            trainer.train()
+            results[options] = {"logs": training_logs(trainer), "grads": capture.grads}
+    return results
+
+
+@pytest.mark.parametrize("variant", ["lora", *PRECOMPUTED])
+def test_dpo_reference_variants_match_trl(gloo, variant):
+    """G = 2: a PEFT LoRA policy (the reference is the model with its adapters disabled), and reference
+    log-probs precomputed before training (`precompute_ref_log_probs=True`, packed under CP) by a
+    reference model or by the initial policy. With the initial policy as its own reference every
+    reward is 0 up to rounding, so `rewards/accuracies` compares rounding noise and is left out."""
+    want = stock_variant(variant)
+    metrics = tuple(m for m in DPO_METRICS if not (variant == "precompute_policy" and m == "rewards/accuracies"))
+    for rank, got in enumerate(gloo(2).run(variant_case, timeout=300, variant=variant)):
+        compare_runs(got[()], want, f"{variant} rank {rank}", metrics)
+
+
+def _options(**options) -> tuple:
+    """DPOConfig options as a hashable key (lists as tuples; `_config_options` turns them back)."""
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+def _config_options(options: tuple) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options}
+
+
+OPTION_SETS = (
+    *(_options(loss_type=t, **({"label_smoothing": 1e-3} if t == "exo_pair" else {})) for t in LOSS_TYPES),
+    _options(loss_type=["sigmoid", "sft", "bco_pair"], loss_weights=[0.8, 0.2, 1.0]),  # MPO
+    _options(use_weighting=True),  # WPO
+    _options(ld_alpha=0.5),  # LD-DPO: the tail of the longer completion weighs 0.5
+    _options(f_divergence_type="js_divergence", loss_type="ipo"),
+    _options(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
+)
+SMALL_ROWS = tuple(dict(count=6, long_chars=0, seed=4).items())
+
+
+def test_every_dpo_loss_matches_trl(gloo):
+    """G = 1 (the same code path as any G): every loss_type of TRL 1.16, the MPO combination, WPO
+    weighting, LD-DPO's ld_alpha and two f-divergences, against TRL's stock trainer."""
+    runs = gloo(1).run(variant_case, timeout=600, variant="model", option_sets=OPTION_SETS, rows=SMALL_ROWS)
+    for options in OPTION_SETS:
+        want = stock_variant("model", options, SMALL_ROWS)
+        compare_runs(runs[0][options], want, f"DPOConfig{dict(options)}", DPO_METRICS)
