@@ -5,8 +5,9 @@ sequences in unmodified Hugging Face Transformers models.
 holds the user's names; internals live in their subpackages, bottom up: `planning` (pure),
 `comm` (collectives), `kernels` (local attention), `step` (shard step and step object),
 `attention` (Transformers entry points), `model_patches` (per-family patches; the repository's
-top-level `model_patches/` folder), `data` (packing, sampler, collator) and `integrations`
-(transformers, accelerate, Trainer, torch.compile). The Trainer names are imported on first use:
+top-level `model_patches/` folder), `logprobs` (per-document log-probs of a sharded pack without
+full logits), `data` (packing, sampler, collator) and `integrations` (transformers, accelerate,
+Trainer, TRL, torch.compile). The Trainer names are imported on first use:
 `transformers.Trainer` is heavy.
 """
 
@@ -18,6 +19,7 @@ from .integrations.compile import compile_model
 from .integrations.memory import enable_checkpoint_offload, enable_tiled_mlp
 from .integrations.transformers import ATTN_IMPLEMENTATION
 from .integrations.transformers import register as _register
+from .logprobs import DocumentLogProbs, document_log_probs
 from .planning import Layout, plan_layout
 from .step import (
     BlockdiagCPModelState,
@@ -58,6 +60,7 @@ __all__ = [
     "BlockdiagCPTrainerMixin",
     "CPConfig",
     "DPCPCoordinates",
+    "DocumentLogProbs",
     "Layout",
     "PackedBatchSampler",
     "UNSUPPORTED_MODEL_TYPES",
@@ -69,6 +72,7 @@ __all__ = [
     "enable_tiled_mlp",
     "cp_blockdiag_sdpa",
     "current_blockdiag_cp_state",
+    "document_log_probs",
     "make_cp_blockdiag_batch_and_ctx",
     "packed_dataloader",
     "plan_layout",

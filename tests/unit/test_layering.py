@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 # model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
 PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "data",
-          "integrations", "bench"]
+LAYERS = ["compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "logprobs",
+          "data", "integrations", "bench"]
 BELOW = {
     "compat": set(),  # the upstream internals the library reads; every layer but the pure planning may use it
     "planning": set(),
@@ -28,9 +28,10 @@ BELOW = {
     "attention": {"compat", "planning", "comm", "kernels", "step"},
     "mixers": {"compat", "planning", "comm", "kernels", "config", "step"},
     "model_patches": {"compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers"},
+    "logprobs": {"compat", "planning", "comm", "kernels", "config", "step"},
     "data": {"compat", "config", "planning", "comm", "step"},
     "integrations": {"compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches",
-                     "data"},
+                     "logprobs", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
 

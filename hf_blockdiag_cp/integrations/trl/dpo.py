@@ -71,6 +71,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         if self.ref_model is not None:
             check_reference(self.model, self.ref_model)
             apply_model_patches(self.accelerator.unwrap_model(self.ref_model))
+        self._check_pairs()
         for name in self._pending_reference:  # TRL asked for them during its __init__, before the CP setup
             self._store_reference(name)
 

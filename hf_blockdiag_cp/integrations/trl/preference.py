@@ -88,13 +88,34 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
         """Which settings bound a pair's length, for the error of a pair longer than the pack."""
         return "no truncation"
 
+    def _pair_lengths(self, dataset, name: str = "train") -> list[int]:
+        """The tokens of each pair of `dataset` (cached per dataset object); raises ValueError naming the
+        dataset for an empty one, and naming the pair for a malformed pair or one longer than the pack."""
+        cache = self.__dict__.setdefault("_pair_length_cache", {})
+        if id(dataset) in cache and cache[id(dataset)][0] is dataset:
+            return cache[id(dataset)][1]
+        if dataset is None or len(dataset) == 0:
+            raise ValueError(f"the {name} dataset holds no preference pair (after TRL's preparation and filtering)")
+        try:
+            lengths = pair_lengths(dataset, self._pair_reader())
+            check_pairs_fit(lengths, self.packing.max_tokens, self._pair_limits())
+        except ValueError as exc:
+            raise ValueError(f"{name} dataset: {exc}") from None
+        cache[id(dataset)] = (dataset, lengths)
+        return lengths
+
+    def _check_pairs(self) -> None:
+        """Every train and eval pair readable and within the pack, before any step (the same on every rank)."""
+        self._pair_lengths(self.train_dataset, "train")
+        evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"eval": self.eval_dataset}
+        for name, dataset in evals.items():
+            if dataset is not None:
+                self._pair_lengths(dataset, name)
+
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
         """Whole pairs per pack for this rank (the mixin's hook behind training and evaluation data)."""
-        if dataset is None or len(dataset) == 0:
-            raise ValueError("the dataset holds no preference pair (after TRL's preparation and filtering)")
         reader = self._pair_reader()
-        lengths = pair_lengths(dataset, reader)
-        check_pairs_fit(lengths, self.packing.max_tokens, self._pair_limits())
+        lengths = self._pair_lengths(dataset)
         c = self.cp_coordinates
         options = self._loader_options(shuffle, drop_last)
         collator = PairPackCollator(reader, self.packing.max_tokens, self.packing.pad_token_id, c.cp_size, c.cp_rank,

@@ -92,6 +92,7 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
             max_tokens=pack_size(max_tokens, args.max_length, cp_size), pad_token_id=pad_token_of(processing_class),
             cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         score_module(self.model)
+        self._check_pairs()
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         require_pair_columns(dataset, dataset_name, ("chosen_ids", "rejected_ids"))

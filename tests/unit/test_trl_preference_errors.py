@@ -1,0 +1,91 @@
+"""Bad input to the preference trainers raises one ValueError naming the field and what was expected,
+at construction, before any step: a pair longer than the pack, an empty completion, a prompt-only
+dataset, an unknown loss type, a reference model of another architecture, vocabulary or attention."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from helpers.preference import (  # noqa: E402
+    char_tokenizer, dpo_config, policy_model, preference_dataset, preference_rows, reference_model, reward_classifier,
+    reward_config,
+)
+from helpers.trainer import accelerate_env  # noqa: E402
+
+
+def _dpo(rows, ref=None, policy=None, **options):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    with accelerate_env(0, 1) as out:
+        policy = policy_model("llama", "blockdiag_cp") if policy is None else policy
+        max_tokens = options.pop("max_tokens", 1024)
+        return BlockdiagCPDPOTrainer(model=policy, ref_model=reference_model(policy) if ref is None else ref,
+                                     args=dpo_config(out, 1, **options), train_dataset=preference_dataset(rows),
+                                     processing_class=char_tokenizer(), max_tokens=max_tokens)
+
+
+def _reward(rows, **options):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPRewardTrainer
+
+    with accelerate_env(0, 1) as out:
+        max_tokens = options.pop("max_tokens", 1024)
+        return BlockdiagCPRewardTrainer(model=reward_classifier("llama", "blockdiag_cp"), args=reward_config(out, 1, **options),
+                                        train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
+                                        max_tokens=max_tokens)
+
+
+def test_pair_longer_than_the_pack():
+    rows = preference_rows(count=3, long_chars=100)
+    with pytest.raises(ValueError, match=r"train dataset: pair 0 has \d+ tokens \(.*DPOConfig.max_length=1024\), more than max_tokens=64"):
+        _dpo(rows, max_tokens=64)
+    with pytest.raises(ValueError, match=r"train dataset: pair 0 has \d+ tokens .*max_tokens=64"):
+        _reward(rows, max_tokens=64)
+
+
+def test_empty_completion_is_named():
+    rows = [{"prompt_ids": [3, 4, 5], "chosen_ids": [6, 7], "rejected_ids": [8]},
+            {"prompt_ids": [3, 4], "chosen_ids": [], "rejected_ids": [9, 10]}]
+    with pytest.raises(ValueError, match=r"example 1 has an empty 'chosen' completion \('chosen_ids' holds no token\)"):
+        _dpo(rows)
+
+
+def test_truncation_that_leaves_no_completion_is_named():
+    rows = [{"prompt_ids": [3] * 20, "chosen_ids": [6, 7], "rejected_ids": [8]}]
+    with pytest.raises(ValueError, match=r"example 0: its prompt has 20 tokens, so truncation to max_length=16"):
+        _dpo(rows, max_length=16)
+
+
+@pytest.mark.parametrize("trainer", [_dpo, _reward], ids=["dpo", "reward"])
+def test_prompt_only_dataset(trainer):
+    with pytest.raises(ValueError, match=r"columns \['prompt'\]; expected preference pairs.*prompt-only dataset is for GRPO"):
+        trainer([{"prompt": "the cat "}, {"prompt": "a mat "}])
+
+
+def test_unknown_loss_type():
+    with pytest.raises(ValueError, match=r"DPOConfig.loss_type holds \['needs_logits'\]; expected loss types built on"):
+        _dpo(preference_rows(count=2), loss_type="needs_logits")
+
+
+@pytest.mark.parametrize("reference,expected", [
+    ("qwen3", r"ref_model is a Qwen3ForCausalLM \(qwen3\); expected the policy's architecture, LlamaForCausalLM"),
+    ("vocabulary", r"ref_model has a vocabulary of 120 tokens; expected the policy's 101"),
+    ("eager", r"ref_model's attention implementation is 'eager'; expected 'blockdiag_cp'"),
+])
+def test_reference_of_another_model(reference, expected):
+    from transformers import AutoModelForCausalLM
+
+    from helpers.preference import tiny_config
+
+    if reference == "qwen3":
+        ref = policy_model("qwen3", "blockdiag_cp")
+    elif reference == "vocabulary":
+        config = tiny_config("llama")
+        config.vocab_size = 120
+        ref = AutoModelForCausalLM.from_config(config, attn_implementation="blockdiag_cp")
+    else:
+        ref = policy_model("llama", "eager")
+    with pytest.raises(ValueError, match=expected):
+        _dpo(preference_rows(count=2), ref=ref)
