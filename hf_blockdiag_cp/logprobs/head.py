@@ -78,6 +78,15 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
 
 
+def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`acc += a @ b` into an fp32 `acc` without rounding `a @ b` to the inputs' dtype first: summing
+    chunk products rounded to bf16 would bias the weight gradient. CUDA multiplies bf16 / fp16 into
+    fp32 directly (torch >= 2.8, the floor being 2.11); elsewhere the inputs are upcast."""
+    if acc.device.type == "cuda" and a.dtype in (torch.bfloat16, torch.float16):
+        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    return acc.addmm_(a.float(), b.float())
+
+
 def _tile(hidden, weight, bias, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
     """The raw fp32 logits of rows [start, stop): (h·Wᵀ + b) in `dtype`, then fp32."""
     raw = hidden[start:stop].to(dtype) @ weight.to(dtype).t()
@@ -134,13 +143,14 @@ class _ChunkedLogProbs(torch.autograd.Function):
             grad = torch.exp(transform.apply(raw) - lse_all[start:stop, None]).neg_()
             grad.scatter_add_(1, targets[start:stop, None], torch.ones_like(grad[:, :1]))
             grad.mul_(grad_log_probs[start:stop, None].float())
-            grad = transform.backward(raw, grad).to(dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:stop] = (grad @ w).float()
-            if grad_weight is not None:
-                grad_weight += (grad.t() @ hidden[start:stop].to(dtype)).float()
+            grad = transform.backward(raw, grad)
             if grad_bias is not None:
-                grad_bias += grad.float().sum(0)
+                grad_bias += grad.sum(0)
+            grad = grad.to(dtype)
+            if grad_hidden is not None:
+                _addmm_fp32(grad_hidden[start:stop], grad, w)
+            if grad_weight is not None:
+                _addmm_fp32(grad_weight, grad.t(), hidden[start:stop].to(dtype))
         return (
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
