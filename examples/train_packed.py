@@ -247,7 +247,7 @@ def write_outputs(output_dir: Path, metrics: dict, title: str | None = None) -> 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (token-weighted mean)")
+    ax.set_ylabel(metrics.get("loss_label", "loss (token-weighted mean)"))
     ax.set_title(f"{title}, {metrics['tokens_per_second']:.0f} tokens/s")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
