@@ -22,8 +22,16 @@ from helpers.trainer import trainer_settings
 FAMILIES = ("llama", "qwen3", "gemma2", "qwen3_5", "nemotron_h")
 LOSS_TOL = 1e-4  # relative, loss and every parameter gradient
 METRIC_TOL = 1e-5  # every logged metric: absolute, relative to its magnitude where that is above 1 (fp32 sums)
-PACK = 1344  # a multiple of 2*G for G = 1..4 that holds every pair of `preference_rows(long_chars=800)`
+ROWS = dict(count=6, long_chars=400)  # 803 tokens; the long chosen sequence (411) is the pack's first
+PACK = 816  # a multiple of 2*G for G = 1..4 holding every pair of ROWS; at G = 4 the long sequence spans 3 shards of 204
 
+
+
+def first_sequence_tokens(rows: list[dict]) -> int:
+    """Tokens of the pack's first sequence (the first pair's chosen: prompt, completion, EOS)."""
+    from helpers.sft import encode
+
+    return len(encode(rows[0]["prompt"])) + len(encode(rows[0]["chosen"])) + 1
 
 
 def tiny_config(family: str):
@@ -84,9 +92,16 @@ def preference_rows(count: int = 8, seed: int = 3, long_chars: int = 0) -> list[
 
 
 def preference_dataset(rows: list[dict]):
-    from datasets import Dataset
+    """`rows` as a `datasets.Dataset`, its fingerprint given (a hash of the rows): datasets then never
+    hashes the table itself, which fails with some wheel sets on the GPU machine (docs/testing.md)."""
+    import hashlib
+    import json
 
-    return Dataset.from_list(rows)
+    from datasets import Dataset
+    from datasets.table import InMemoryTable
+
+    fingerprint = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+    return Dataset(InMemoryTable.from_pylist(rows), fingerprint=fingerprint)
 
 
 def dpo_config(output_dir: str, pairs: int, **overrides):

@@ -13,23 +13,22 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from helpers.preference import (  # noqa: E402
-    FAMILIES, GradCapture, PACK, char_tokenizer, compare_runs, dpo_config, policy_model, preference_dataset,
-    preference_rows, reference_model, training_logs,
+    FAMILIES, PACK, ROWS, GradCapture, char_tokenizer, compare_runs, dpo_config, first_sequence_tokens, policy_model,
+    preference_dataset, preference_rows, reference_model, training_logs,
 )
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
 from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES  # noqa: E402
 
 DPO_METRICS = ("entropy", "num_tokens", "logits/chosen", "logits/rejected", "mean_token_accuracy", "rewards/chosen",
                "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected")
-ROWS = dict(count=8, long_chars=800)  # the long chosen sequence (811 tokens) spans three shards at G = 4 (PACK / 4 = 336)
 
 
-def _settings(loss_type: str, checkpointing: bool) -> dict:
-    return {"loss_type": loss_type, **(checkpointing_settings(False) if checkpointing else {})}
+def _settings(loss_type: tuple, checkpointing: bool) -> dict:
+    return {"loss_type": list(loss_type), **(checkpointing_settings(False) if checkpointing else {})}
 
 
 @functools.cache
-def stock_dpo(family: str, loss_type: str) -> dict:
+def stock_dpo(family: str, loss_type: tuple) -> dict:
     """TRL's DPOTrainer, stock: eager model, every pair in one padded batch, one process."""
     import tempfile
 
@@ -38,7 +37,7 @@ def stock_dpo(family: str, loss_type: str) -> dict:
     rows = preference_rows(**ROWS)
     with tempfile.TemporaryDirectory() as out:
         policy = policy_model(family, "eager")
-        args = dpo_config(out, len(rows), loss_type=loss_type, per_device_train_batch_size=len(rows))
+        args = dpo_config(out, len(rows), loss_type=list(loss_type), per_device_train_batch_size=len(rows))
         capture = GradCapture()
         trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy), args=args,
                                    train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
@@ -66,22 +65,25 @@ def dpo_case(rank, world_size, group, families, cp_size, loss_type, checkpointin
     return results
 
 
+FAMILY_LOSS = ("sigmoid", "ipo")  # both summed per pair (TRL's loss_type list): one run covers both
+
+
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 def test_dpo_matches_trl_per_family(gloo, cp_size):
-    """Every family at G = 1..4 (sigmoid at even G with activation checkpointing, ipo at odd G without):
-    the long pair straddles three ranks at G = 4."""
-    loss_type, checkpointing = ("sigmoid", True) if cp_size % 2 == 0 else ("ipo", False)
-    runs = gloo(cp_size).run(dpo_case, timeout=600, families=FAMILIES, cp_size=cp_size, loss_type=loss_type,
-                             checkpointing=checkpointing)
+    """Every family at G = 1..4, the sigmoid and ipo losses summed, activation checkpointing at even G;
+    the long chosen sequence straddles three ranks at G = 4."""
+    assert first_sequence_tokens(preference_rows(**ROWS)) > 2 * PACK // 4, "the long sequence spans fewer than 3 shards"
+    runs = gloo(cp_size).run(dpo_case, timeout=600, families=FAMILIES, cp_size=cp_size, loss_type=FAMILY_LOSS,
+                             checkpointing=cp_size % 2 == 0)
     for family in FAMILIES:
-        want = stock_dpo(family, loss_type)
+        want = stock_dpo(family, FAMILY_LOSS)
         for rank, got in enumerate(runs):
-            compare_runs(got[family], want, f"{family} G={cp_size} rank {rank} {loss_type}", DPO_METRICS)
+            compare_runs(got[family], want, f"{family} G={cp_size} rank {rank}", DPO_METRICS)
 
 
 # --------------------------------------------------------------------------- several packs, dp x cp, evaluation
 
-TWO_PACKS = 840  # the long pair fills one pack, the other pairs the second (a multiple of 2*cp for cp = 2)
+TWO_PACKS = 436  # the long pair (434 tokens) fills one pack, the other pairs the second (a multiple of 2*cp, cp = 2)
 EVAL_METRICS = tuple(f"eval_{name}" for name in ("loss",) + DPO_METRICS if name != "num_tokens")
 
 
@@ -125,7 +127,7 @@ def test_dpo_over_several_packs_matches_trl(gloo, world_size, cp_size, accumulat
     and gradient are the mean over every pair of the step (TRL's, for one batch of all pairs), each pair
     weighed once; evaluate() before training equals TRL's evaluate on one batch of all pairs."""
     family = "qwen3_5"
-    want = stock_dpo(family, "sigmoid")
+    want = stock_dpo(family, ("sigmoid",))
     stock_eval = stock_dpo_evaluate(family)
     runs = gloo(world_size).run(packs_case, timeout=300, family=family, cp_size=cp_size, accumulation=accumulation)
     for rank, got in enumerate(runs):

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ...comm.consensus import collective_device
 from ...data.pairs import PAIRS_KEY, PairBatch, PairPackCollator, check_pairs_fit, pair_dataloader, pair_lengths
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
@@ -61,8 +62,6 @@ class PairMetrics:
         if self.extremes:
             group = world_group(world_size)
             if group is not None:
-                from ...comm.consensus import collective_device
-
                 highs = highs.to(collective_device(group))
                 dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
                 highs = highs.cpu()
@@ -179,6 +178,12 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
             self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        raise NotImplementedError(
+            f"{type(self).__name__}.predict is not supported (a preference trainer predicts no tokens); "
+            "evaluate() gives the loss and TRL's metrics over the pairs"
+        )
 
     def _eval_pairs(self, dataset, prefix: str):
         """The eval dataset(s) as the trainer prepares them (a dataset given to `evaluate` is prepared as
