@@ -28,7 +28,7 @@ from ...model_patches import apply_model_patches
 from ..trainer.setup import world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .references import check_reference, is_peft, pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
+from .setup import check_reference, is_peft, pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
 
 DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
             "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",

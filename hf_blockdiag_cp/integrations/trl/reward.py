@@ -21,7 +21,7 @@ from ...logprobs import per_document_sum
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .references import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
+from .setup import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
 
 REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
 REWARD_EXTREMES = ("neg_min_reward", "max_reward")
