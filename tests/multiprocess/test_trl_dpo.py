@@ -238,3 +238,44 @@ def test_every_dpo_loss_matches_trl(gloo):
     for options in OPTION_SETS:
         want = stock_variant("model", options, SMALL_ROWS)
         compare_runs(runs[0][options], want, f"DPOConfig{dict(options)}", DPO_METRICS)
+
+
+# --------------------------------------------------------------------------- dataset formats
+
+def format_rows(kind: str) -> list[dict]:
+    """ROWS as conversations (the character tokenizer's chat template renders them as the text rows) or
+    pre-tokenized (TRL's tokenization of the text rows: the prompt, then the completion and EOS)."""
+    from helpers.sft import EOS_ID, encode
+
+    rows = preference_rows(**ROWS)
+    if kind == "conversational":
+        return [{"prompt": [{"role": "user", "content": r["prompt"].rstrip(" ")}],
+                 "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                 "rejected": [{"role": "assistant", "content": r["rejected"]}]} for r in rows]
+    return [{"prompt_ids": encode(r["prompt"]), "chosen_ids": encode(r["chosen"]) + [EOS_ID],
+             "rejected_ids": encode(r["rejected"]) + [EOS_ID]} for r in rows]
+
+
+def format_case(rank, world_size, group, kind):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    rows = format_rows(kind)
+    with accelerate_env(rank, world_size) as out:
+        policy = policy_model("llama", "blockdiag_cp")
+        capture = GradCapture()
+        trainer = quiet(BlockdiagCPDPOTrainer(
+            model=policy, ref_model=reference_model(policy), args=dpo_config(out, len(rows)),
+            train_dataset=preference_dataset(rows), processing_class=char_tokenizer(), cp_size=world_size,
+            max_tokens=PACK, callbacks=[capture]))
+        trainer.train()
+        return {"logs": training_logs(trainer), "grads": capture.grads}
+
+
+@pytest.mark.parametrize("kind", ["conversational", "pretokenized"])
+def test_dpo_dataset_formats_match_trl_on_text(gloo, kind):
+    """G = 2: conversational pairs (tokenized by TRL with the chat template) and pre-tokenized pairs
+    (used as given; TRL 1.16's DPOTrainer itself does not take them) of the same tokens train like
+    TRL's stock trainer on the text pairs."""
+    want = stock_dpo("llama", ("sigmoid",))
+    for rank, got in enumerate(gloo(2).run(format_case, timeout=300, kind=kind)):
+        compare_runs(got, want, f"{kind} rank {rank}", DPO_METRICS)
