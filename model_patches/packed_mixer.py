@@ -14,7 +14,6 @@ import contextlib
 import functools
 import inspect
 import sys
-import types
 from typing import Callable
 
 import torch
@@ -22,6 +21,8 @@ import torch
 from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
+
+from .registry import bind_forward
 
 ATTENTION_FREE_ATTR = "_blockdiag_cp_attention_free"  # set on the mixers of a model without attention layers
 # the class names of the patched mixer layers (the last five: Mamba1's and Mamba2's in their families)
@@ -108,7 +109,7 @@ def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool],
         if is_layer(module):
             if check is not None:
                 check(module)
-            module.forward = types.MethodType(forward, module)
+            bind_forward(module, forward)
             setattr(module, ATTENTION_FREE_ATTR, attention_free)
             patched += 1
     if patched == 0:

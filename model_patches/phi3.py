@@ -16,7 +16,6 @@ pack (the longest document decides), not per document.
 from __future__ import annotations
 
 import inspect
-import types
 
 import torch
 import torch.distributed as dist
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from hf_blockdiag_cp.comm.consensus import collective_device
 from hf_blockdiag_cp.step.state import CPStep, active_step
 
-from .registry import ModelPatch, register_patch
+from .registry import ModelPatch, bind_forward, register_patch
 
 
 def _rope_types(config) -> list[str]:
@@ -76,7 +75,7 @@ def apply(model: torch.nn.Module) -> None:
             continue
         kinds = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
         if any(k == "longrope" or "dynamic" in k for k in kinds):
-            module.forward = types.MethodType(_global_rope_forward, module)
+            bind_forward(module, _global_rope_forward)
             patched += 1
     if patched == 0:
         raise RuntimeError(

@@ -16,6 +16,7 @@ that needs a patch nobody applied (a model the step was not given).
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,6 +54,29 @@ def register_patch(patch: ModelPatch) -> ModelPatch:
     if patch.any_model_type:
         _CONFIG_DRIVEN.append(patch)
     return patch
+
+
+_KERNEL_FREE: dict[type, type] = {}
+
+
+def _never(module) -> bool:
+    return False
+
+
+def bind_forward(module: torch.nn.Module, forward: Callable) -> None:
+    """Bind `forward` as `module`'s forward, and keep it there: a layer that Transformers marks for
+    Hub kernels (`kernel_layer_name`) is re-kernelized on every `train()` / `eval()` when the
+    `kernels` package is installed, which drops a forward bound on the instance (the stock one would
+    then run inside a CP step). Such a module gets a subclass of its class (same name) whose
+    `kernel_condition` refuses kernelization."""
+    cls = type(module)
+    if hasattr(cls, "kernel_layer_name"):
+        if cls not in _KERNEL_FREE:
+            _KERNEL_FREE[cls] = type(cls.__name__, (cls,), {"kernel_condition": staticmethod(_never),
+                                                             "__module__": cls.__module__,
+                                                             "__qualname__": cls.__qualname__})
+        module.__class__ = _KERNEL_FREE[cls]
+    module.forward = types.MethodType(forward, module)
 
 
 def config_model_types(config) -> list[str]:
