@@ -2,7 +2,8 @@
 log-prob head (`head`), run inside the model's own forward (`capture`), and its per-document sums
 over the CP group (`documents`). What DPO, reward models and RL steps are built on."""
 
-from .documents import DocumentLogProbs, document_log_probs, per_document_sum
+from .documents import DocumentLogProbs, document_log_probs, per_document_sum, shard_log_probs
 from .head import STATS, LogitTransform, token_log_probs
 
-__all__ = ["STATS", "DocumentLogProbs", "LogitTransform", "document_log_probs", "per_document_sum", "token_log_probs"]
+__all__ = ["STATS", "DocumentLogProbs", "LogitTransform", "document_log_probs", "per_document_sum", "shard_log_probs",
+           "token_log_probs"]

@@ -99,6 +99,32 @@ def _targets(local: dict, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return mask, rows, targets
 
 
+def shard_log_probs(
+    model,
+    local: dict,
+    *,
+    stats: tuple[str, ...] = (),
+    chunk_size: int | None = None,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """Run `model` on this rank's `local` batch with the chunked head: ([L] fp32 log p(target) at every
+    shard position with a target and 0 elsewhere, {stat: [L]} without gradient, the [L] target mask).
+    Per token only: `document_log_probs` adds the per-document sums over the CP group."""
+    head = output_embedding(model)
+    mask, rows, targets = _targets(local, head.weight.shape[0])
+    config = getattr(configured_model(model), "config", None)
+    transform = LogitTransform.of_config(config, temperature) if config is not None else LogitTransform(temperature=temperature)
+    request = HeadRequest(rows, targets, transform, chunk_size, tuple(stats))
+    run_with_head(model, {k: v for k, v in local.items() if k not in LOSS_KEYS}, request)
+    length = mask.numel()
+
+    def spread(values: torch.Tensor) -> torch.Tensor:  # [N] at the scored positions of [L]
+        return values.new_zeros(length).index_put((rows,), values)
+
+    extra = {name: spread(request.values[name].float()) for name in STATS if name in request.values}
+    return spread(request.log_probs), extra, mask
+
+
 def document_log_probs(
     model,
     local: dict,
@@ -117,19 +143,7 @@ def document_log_probs(
     the CP group must call this, in the same order as its other collectives.
     """
     step = local.get(STEP_KWARG)
-    head = output_embedding(model)
-    mask, rows, targets = _targets(local, head.weight.shape[0])
-    config = getattr(configured_model(model), "config", None)
-    transform = LogitTransform.of_config(config, temperature) if config is not None else LogitTransform(temperature=temperature)
-    request = HeadRequest(rows, targets, transform, chunk_size, tuple(stats))
-    run_with_head(model, {k: v for k, v in local.items() if k not in LOSS_KEYS}, request)
-    length = mask.numel()
-
-    def spread(values: torch.Tensor) -> torch.Tensor:  # [N] at the scored positions of [L]
-        return values.new_zeros(length).index_put((rows,), values)
-
-    tokens = spread(request.log_probs)
-    extra = {name: spread(request.values[name].float()) for name in STATS if name in request.values}
+    tokens, extra, mask = shard_log_probs(model, local, stats=stats, chunk_size=chunk_size, temperature=temperature)
     columns = torch.stack([tokens, mask.to(tokens.dtype), *extra.values()], dim=1)
     group = None if step is None else step.group
     totals = per_document_sum(columns, local["document_ids"], _pack_documents(local, step), group)

@@ -82,8 +82,10 @@ def _configs(model) -> list:
     return configs
 
 
-def check_model_setup(model, world_size: int, cp_size: int, activation_checkpointing_kwargs: dict | None) -> None:
-    """Raise ValueError for a model or world that would train wrongly or hang under block-diagonal CP."""
+def check_model_setup(model, world_size: int, cp_size: int, activation_checkpointing_kwargs: dict | None,
+                      cache_allowed: bool = False) -> None:
+    """Raise ValueError for a model or world that would train wrongly or hang under block-diagonal CP.
+    `cache_allowed`: the model also generates (RL), and its CP steps pass use_cache=False themselves."""
     reason = world_size_error(world_size, cp_size)
     if reason is not None:
         raise ValueError(reason)
@@ -99,7 +101,7 @@ def check_model_setup(model, world_size: int, cp_size: int, activation_checkpoin
             "inside each rank's shard"
         )
     for config in configs:
-        if getattr(config, "use_cache", False):
+        if getattr(config, "use_cache", False) and not cache_allowed:
             raise ValueError(
                 f"{type(config).__name__}.use_cache is True; expected False for CP training (a KV cache of a "
                 "CP shard is not a cache of the sequence). Leave TrainingArguments.use_cache False (the Trainer "

@@ -1,7 +1,8 @@
 """TRL integration: `BlockdiagCPSFTTrainer`, TRL's `SFTTrainer` with packed SFT under exact
 block-diagonal CP (`sft`, its loader `packs`, its token metrics `metrics`), and the preference
 trainers on packed pairs (`preference`): `BlockdiagCPDPOTrainer` (`dpo`, its losses `dpo_loss`) and
-`BlockdiagCPRewardTrainer` (`reward`). Needs the `[trl]` extra (trl >= 1.16)."""
+`BlockdiagCPRewardTrainer` (`reward`); the RL trainers `BlockdiagCPGRPOTrainer` and
+`BlockdiagCPRLOOTrainer` (`rl`), TRL's own with CP log-probs of the completions. Needs the `[trl]` extra (trl >= 1.16)."""
 
 try:
     import trl  # noqa: F401
@@ -13,7 +14,8 @@ except ImportError as exc:  # pragma: no cover - trl is optional
 from .dpo import BlockdiagCPDPOTrainer
 from .packs import PrepackedBatchSampler, SFTPackCollator, prepacked_dataloader
 from .reward import BlockdiagCPRewardTrainer
+from .rl import BlockdiagCPGRPOTrainer, BlockdiagCPRLOOTrainer
 from .sft import BlockdiagCPSFTTrainer, check_sft_config
 
-__all__ = ["BlockdiagCPDPOTrainer", "BlockdiagCPRewardTrainer", "BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator",
-           "check_sft_config", "prepacked_dataloader"]
+__all__ = ["BlockdiagCPDPOTrainer", "BlockdiagCPGRPOTrainer", "BlockdiagCPRLOOTrainer", "BlockdiagCPRewardTrainer",
+           "BlockdiagCPSFTTrainer", "PrepackedBatchSampler", "SFTPackCollator", "check_sft_config", "prepacked_dataloader"]

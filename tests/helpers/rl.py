@@ -1,0 +1,109 @@
+"""Data, injected completions and the stock-TRL reference of the RL tests (GRPO, RLOO).
+
+Generation is taken out of the comparison: both TRL's own trainer and ours get the same completions,
+a deterministic function of each prompt and its place in the batch (`InjectedCompletions`), from 1
+to `LONGEST` tokens, some cut at `max_completion_length` without EOS (truncated). The reference is
+TRL's own `GRPOTrainer` / `RLOOTrainer` run the stock way: the stock model with eager attention, the
+completions padded, no CP, at the same world size (each rank its own prompts, as TRL distributes
+them). Ours runs the same ranks as CP groups; one optimizer step of plain SGD: the loss, every
+parameter gradient (before the optimizer step) and every logged metric must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import random
+
+from helpers.preference import (  # noqa: F401 (re-exported)
+    GradCapture, char_tokenizer, compare_runs, policy_model, preference_dataset, training_logs,
+)
+from helpers.sft import CHARS, CHAR_IDS, EOS_ID, _sentence
+from helpers.trainer import trainer_settings
+
+LONGEST = 2000  # max_completion_length: the longest completion, cut there without EOS (truncated)
+LENGTHS = (1, 7, 60, LONGEST, 3, 200, 15, LONGEST)  # completion tokens by place in the batch (EOS included)
+NUM_GENERATIONS = 4
+
+
+def prompt_rows(count: int = 2, seed: int = 5) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": _sentence(rng, rng.randint(2, 6)) + " "} for _ in range(count)]
+
+
+def completion_ids(prompt: list[int], place: int, lengths: tuple[int, ...] = LENGTHS) -> list[int]:
+    """The completion of `prompt` at `place` in the batch: `lengths[place]` tokens (cycled), drawn from a
+    seed of the prompt and the place; EOS last, but for the `LONGEST` ones (truncated)."""
+    length = lengths[place % len(lengths)]
+    rng = random.Random(hash((tuple(prompt), place)) & 0xFFFFFFFF)
+    ids = [CHAR_IDS[rng.choice(CHARS)] for _ in range(length)]
+    if length < LONGEST:
+        ids[-1] = EOS_ID
+    return ids
+
+
+class InjectedCompletions:
+    """Mix in before a TRL RL trainer: its generation returns `completion_ids` (GRPO's `(ids, logprobs)`,
+    RLOO's ids) instead of sampling; `lengths` sets the completion lengths by place."""
+
+    completion_lengths = LENGTHS
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        ids = [completion_ids(list(p), place, self.completion_lengths) for place, p in enumerate(prompt_ids)]
+        return (ids, None) if self._returns_logprobs else ids
+
+
+def count_a(completions, **kwargs) -> list[float]:
+    """A toy reward from the text: the share of the letter a."""
+    return [c.count("a") / max(len(c), 1) for c in completions]
+
+
+def count_space(completions, **kwargs) -> list[float]:
+    return [float(c.count(" ")) for c in completions]
+
+
+def rl_config(kind: str, output_dir: str, **overrides):
+    """SGD, one optimizer step, fp32, the completions injected; `kind` "grpo" or "rloo"."""
+    from trl import GRPOConfig, RLOOConfig
+
+    settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "gradient_checkpointing": False,
+                "per_device_train_batch_size": NUM_GENERATIONS, "num_generations": NUM_GENERATIONS,
+                "max_completion_length": LONGEST, "disable_dropout": True, "learning_rate": 0.05}
+    config = GRPOConfig if kind == "grpo" else RLOOConfig
+    return config(**{**settings, **overrides})
+
+
+def saved_policy(family: str, directory: str) -> str:
+    """The family's tiny policy saved under `directory` (TRL builds its reference from a model's path)."""
+    policy_model(family, "eager").save_pretrained(directory)
+    return directory
+
+
+def model_kwargs(attn: str) -> dict:
+    """GRPOConfig / RLOOConfig model_init_kwargs loading a saved policy with `attn`, in fp32."""
+    return {"model_init_kwargs": {"attn_implementation": attn, "dtype": "float32"}}
+
+
+def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
+    """Move `model`'s weights by seeded noise (a reference that differs from the policy)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+def rl_trainer(kind: str, model, args, ours: bool, **kwargs):
+    """TRL's trainer (ours=False) or ours, with the completions injected and two reward functions."""
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPGRPOTrainer, BlockdiagCPRLOOTrainer
+
+    base = {("grpo", False): GRPOTrainer, ("rloo", False): RLOOTrainer, ("grpo", True): BlockdiagCPGRPOTrainer,
+            ("rloo", True): BlockdiagCPRLOOTrainer}[kind, ours]
+    cls = type(f"Injected{base.__name__}", (InjectedCompletions, base), {"_returns_logprobs": kind == "grpo"})
+    trainer = cls(model=model, reward_funcs=[count_a, count_space], args=args,
+                  train_dataset=preference_dataset(kwargs.pop("rows", prompt_rows())),
+                  processing_class=char_tokenizer(), **kwargs)
+    if trainer.ref_model is not None:
+        perturb(trainer.ref_model)
+    return trainer
