@@ -216,6 +216,39 @@ def expected_s(args, history: list[dict], name: str, method: str, S: int, steps:
     return ROW_OVERHEAD_S + steps * (last.get("step_s") or last["first_s"]) * S / last["S"]
 
 
+def train_row(args, row: dict, label: str, tokens: int, make) -> None:
+    """Train `make(timer, workdir)`'s trainer into `row`: status (ok, oom, error), the method's attention
+    (`ran_with`) and first loss, the first and the median timed step, tokens/s (`tokens` per step) and
+    the peak memory; the device cleaned up afterwards. Shared with grpo_speed.py."""
+    timer = StepTimer(label, args.row_budget_s, args.deadline)
+    trainer, cuda = None, args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            trainer = make(timer, workdir)
+            trainer.train()
+            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+            row.update(status="ok", attn=ran_with(trainer, row["method"], row["attn"]), loss=losses[0] if losses else None)
+        except Exception as exc:  # noqa: BLE001 - a size or kernel that does not run here is a result
+            message = f"{type(exc).__name__}: {str(exc).strip()}"
+            oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in message.lower()
+            row.update(status="oom" if oom else f"error: {message[:100]}", error=message[:2000])
+    if timer.times:
+        timed = timer.times[1:]
+        row.update(first_s=timer.times[0], timed=len(timed))
+        if timed:
+            step = statistics.median(timed)
+            row.update(step_s=step, tokens_per_s=tokens / step, steps_s=[round(t, 3) for t in timed])
+    if cuda:
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        row["left_gib"] = torch.cuda.memory_allocated() / 2**30  # should be ~0: nothing of the row kept
+
+
 def run_row(args, history: list[dict], name: str, method: str, S: int, attn: str, steps: int) -> dict:
     """One (model, method, S) row: a fresh policy, reference and trainer, `steps` optimizer steps (the
     first untimed), OOM and other failures recorded in `status`; the device cleaned up afterwards.
@@ -229,33 +262,8 @@ def run_row(args, history: list[dict], name: str, method: str, S: int, attn: str
         return dict(row, status=f"skipped: ~{expected:.0f} s expected, {max(left, 0):.0f} s left of --budget-s")
     label = f"{name} {method} ({attn}) S={S}"
     log(f"{label}: {len(rows)} pairs, longest {max(lengths)}, {steps} step(s)")
-    timer = StepTimer(label, args.row_budget_s, args.deadline)
-    trainer, cuda = None, args.device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as workdir:
-        try:
-            trainer = make_trainer(args, name, method, attn, rows, S, steps, timer, workdir)
-            trainer.train()
-            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-            row.update(status="ok", attn=ran_with(trainer, method, attn), loss=losses[0] if losses else None)
-        except Exception as exc:  # noqa: BLE001 - a size or kernel that does not run here is a result
-            message = f"{type(exc).__name__}: {str(exc).strip()}"
-            oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in message.lower()
-            row.update(status="oom" if oom else f"error: {message[:100]}", error=message[:2000])
-    if timer.times:
-        timed = timer.times[1:]
-        row.update(first_s=timer.times[0], timed=len(timed))
-        if timed:
-            step = statistics.median(timed)
-            row.update(step_s=step, tokens_per_s=S / step, steps_s=[round(t, 3) for t in timed])
-    if cuda:
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del trainer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        row["left_gib"] = torch.cuda.memory_allocated() / 2**30  # should be ~0: nothing of the row kept
+    train_row(args, row, label, S, lambda timer, workdir: make_trainer(args, name, method, attn, rows, S, steps, timer,
+                                                                       workdir))
     log(f"{label}: {row['status']}, first {row.get('first_s', float('nan')):.2f} s, steps {row.get('steps_s')}, "
         f"{row.get('tokens_per_s', float('nan')):,.0f} tokens/s, peak {row.get('peak_gib', float('nan')):.1f} GiB, "
         f"first loss {row.get('loss')}")
