@@ -5,7 +5,9 @@ completion right-padded, the last `completions` columns being the completion (TR
 `attention_mask` marks the real tokens). `CompletionRows` makes each row's real tokens one document,
 labels its completion tokens, and numbers each target's place in the `[B, completions]` result (a
 slot). `completion_pack` packs the rows of several ranks (a CP group's, in rank order) into one
-pack and returns this CP rank's shard with its slot stream: at shard position t, the slot of the
+pack (each rank's rows in a canonical order: the same rows give the same pack, so an RL step's old and
+new policy log-probs of one batch agree to the bit however the trainer shuffled it) and returns this
+CP rank's shard with its slot stream: at shard position t, the slot of the
 target predicted there (the label at t + 1 of the global pack, as the shard step shifts it), -1 for
 none.
 """
@@ -116,8 +118,9 @@ def completion_pack(ranks: Sequence[CompletionRows], pad_token_id: int, cp_size:
     docs, streams, offset = [], [], 0
     for rows in ranks:
         d, s = rows.documents(offset)
-        docs += d
-        streams += s
+        order = sorted(range(len(d)), key=lambda i: d[i]["input_ids"].tolist())
+        docs += [d[i] for i in order]  # one order for one set of rows, however they were shuffled:
+        streams += [s[i] for i in order]  # the same rows score the same bits (old and new policy)
         offset += rows.slots
     if not docs:
         raise ValueError("no row to pack: every rank of the CP group gave an empty batch")

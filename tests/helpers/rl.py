@@ -18,24 +18,25 @@ from helpers.preference import (  # noqa: F401 (re-exported)
 )
 from helpers.sft import CHARS, CHAR_IDS, EOS_ID, _sentence
 from helpers.trainer import trainer_settings
+from transformers import TrainerCallback
 
 LONGEST = 2000  # max_completion_length: the longest completion, cut there without EOS (truncated)
 LENGTHS = (1, 7, 60, LONGEST, 3, 200, 15, LONGEST)  # completion tokens by place in the batch (EOS included)
 NUM_GENERATIONS = 4
 
 
-def prompt_rows(count: int = 2, seed: int = 5) -> list[dict]:
+def prompt_rows(count: int = 8, seed: int = 5) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": _sentence(rng, rng.randint(2, 6)) + " "} for _ in range(count)]
 
 
-def completion_ids(prompt: list[int], place: int, lengths: tuple[int, ...] = LENGTHS) -> list[int]:
-    """The completion of `prompt` at `place` in the batch: `lengths[place]` tokens (cycled), drawn from a
-    seed of the prompt and the place; EOS last, but for the `LONGEST` ones (truncated)."""
-    length = lengths[place % len(lengths)]
+def completion_ids(prompt: list[int], place: int, lengths: tuple[int, ...] = LENGTHS, longest: int = LONGEST) -> list[int]:
+    """The completion of `prompt` at `place` in a rank's batch: one of `lengths` (chosen by the prompt
+    and the place), tokens drawn from a seed of both; EOS last, but for `longest` ones (truncated)."""
+    length = lengths[(sum(prompt) + place) % len(lengths)]
     rng = random.Random(hash((tuple(prompt), place)) & 0xFFFFFFFF)
     ids = [CHAR_IDS[rng.choice(CHARS)] for _ in range(length)]
-    if length < LONGEST:
+    if length < longest:
         ids[-1] = EOS_ID
     return ids
 
@@ -47,7 +48,8 @@ class InjectedCompletions:
     completion_lengths = LENGTHS
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        ids = [completion_ids(list(p), place, self.completion_lengths) for place, p in enumerate(prompt_ids)]
+        longest = self.args.max_completion_length
+        ids = [completion_ids(list(p), place, self.completion_lengths, longest) for place, p in enumerate(prompt_ids)]
         return (ids, None) if self._returns_logprobs else ids
 
 
@@ -56,8 +58,47 @@ def count_a(completions, **kwargs) -> list[float]:
     return [c.count("a") / max(len(c), 1) for c in completions]
 
 
-def count_space(completions, **kwargs) -> list[float]:
-    return [float(c.count(" ")) for c in completions]
+def count_vowels(completions, **kwargs) -> list[float]:
+    """A second toy reward, also in [0, 1] (RLOO does not scale its advantages: large rewards would make
+    its steps, and so the second step's comparison, chaotic)."""
+    return [sum(ch in "aeiou" for ch in c) / max(len(c), 1) for c in completions]
+
+
+class LastGrads(TrainerCallback):
+    """Every parameter's gradient right before the last optimizer step, by parameter name."""
+
+    def __init__(self):
+        self.grads: dict = {}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        inner = getattr(model, "module", model)
+        self.grads = {n: p.grad.detach().cpu().clone() for n, p in inner.named_parameters() if p.grad is not None}
+
+
+RELATIVE = ("loss", "grad_norm")  # compared relative (LOSS_TOL); every other logged value absolute (METRIC_TOL)
+NOT_COMPARED = ("step_time", "epoch", "step", "learning_rate")
+
+
+def compare_rl_runs(got: dict, want: dict, what: str) -> None:
+    """Every training log (each step's loss, grad norm and TRL's metrics) and the last step's gradients."""
+    from helpers.preference import LOSS_TOL, METRIC_TOL
+
+    steps = want["steps"]
+    assert len(got["logs"]) == len(want["logs"]) == steps, f"{what}: {len(got['logs'])} and {len(want['logs'])} logs, not {steps}"
+    for step, (glog, wlog) in enumerate(zip(got["logs"], want["logs"])):
+        assert set(glog) == set(wlog), f"{what}: logged {sorted(set(glog) ^ set(wlog))} in one run only"
+        for name, value in wlog.items():
+            if name in NOT_COMPARED:
+                continue
+            # The policy loss is a mean of advantage-weighted ratios, 0 on-policy up to rounding: relative
+            # to its terms' scale (the rewards' spread), not to its own value
+            scale = max(abs(value), wlog.get("reward_std", 0.0)) if name == "loss" else abs(value)
+            bound = LOSS_TOL * scale if name in RELATIVE else METRIC_TOL * max(1.0, abs(value))
+            assert abs(glog[name] - value) <= bound, f"{what} step {step + 1}: {name} {glog[name]} vs {value}"
+    assert set(got["grads"]) == set(want["grads"]), f"{what}: gradients of {set(got['grads']) ^ set(want['grads'])}"
+    for name, ref in want["grads"].items():
+        err = float((got["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert err <= LOSS_TOL or float(ref.norm()) < 1e-9, f"{what}: gradient of {name} off by {err:.2e} (relative)"
 
 
 def rl_config(kind: str, output_dir: str, **overrides):
@@ -66,7 +107,7 @@ def rl_config(kind: str, output_dir: str, **overrides):
 
     settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "gradient_checkpointing": False,
                 "per_device_train_batch_size": NUM_GENERATIONS, "num_generations": NUM_GENERATIONS,
-                "max_completion_length": LONGEST, "disable_dropout": True, "learning_rate": 0.05}
+                "max_completion_length": LONGEST, "disable_dropout": True, "learning_rate": 0.005}
     config = GRPOConfig if kind == "grpo" else RLOOConfig
     return config(**{**settings, **overrides})
 
@@ -92,7 +133,7 @@ def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
             p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
 
 
-def rl_trainer(kind: str, model, args, ours: bool, **kwargs):
+def rl_trainer(kind: str, model, args, ours: bool, lengths: tuple[int, ...] = LENGTHS, **kwargs):
     """TRL's trainer (ours=False) or ours, with the completions injected and two reward functions."""
     from trl import GRPOTrainer, RLOOTrainer
 
@@ -100,8 +141,9 @@ def rl_trainer(kind: str, model, args, ours: bool, **kwargs):
 
     base = {("grpo", False): GRPOTrainer, ("rloo", False): RLOOTrainer, ("grpo", True): BlockdiagCPGRPOTrainer,
             ("rloo", True): BlockdiagCPRLOOTrainer}[kind, ours]
-    cls = type(f"Injected{base.__name__}", (InjectedCompletions, base), {"_returns_logprobs": kind == "grpo"})
-    trainer = cls(model=model, reward_funcs=[count_a, count_space], args=args,
+    cls = type(f"Injected{base.__name__}", (InjectedCompletions, base),
+               {"_returns_logprobs": kind == "grpo", "completion_lengths": lengths})
+    trainer = cls(model=model, reward_funcs=[count_a, count_vowels], args=args,
                   train_dataset=preference_dataset(kwargs.pop("rows", prompt_rows())),
                   processing_class=char_tokenizer(), **kwargs)
     if trainer.ref_model is not None:

@@ -1,0 +1,78 @@
+"""Bad input to the RL trainers (GRPO, RLOO) raises one clear error naming the field, before or at the
+first forward, on every rank alike (the checks read what every rank of the world agrees on)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from helpers.rl import model_kwargs, prompt_rows, rl_config, rl_trainer, saved_policy  # noqa: E402
+from helpers.trainer import accelerate_env, quiet  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def llama_path(tmp_path_factory):
+    return saved_policy("llama", str(tmp_path_factory.mktemp("policy")))
+
+
+def _trainer(path, kind="grpo", lengths=(5, 9), rows=None, trainer_kwargs=None, train=False, **settings):
+    """Build the trainer (and train it with `train`) inside one accelerate state."""
+    with accelerate_env(0, 1) as out:
+        args = rl_config(kind, out, **model_kwargs("blockdiag_cp"), **{"max_completion_length": 16, **settings})
+        trainer = quiet(rl_trainer(kind, path, args, True, lengths=lengths, rows=rows or prompt_rows(),
+                                   **(trainer_kwargs or {})))
+        if train:
+            trainer.train()
+        return trainer
+
+
+@pytest.mark.parametrize("settings, expected", [
+    ({"use_liger_kernel": True}, "GRPOConfig.use_liger_kernel is True; expected False"),
+    ({"entropy_coef": 0.01}, "GRPOConfig.entropy_coef=0.01"),
+    ({"cast_lm_head_to_fp32": True}, "GRPOConfig.cast_lm_head_to_fp32 is True; expected False"),
+])
+def test_unsupported_settings_are_refused_by_name(llama_path, settings, expected):
+    with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(".", r"\.")):
+        _trainer(llama_path, **settings)
+
+
+def test_a_completion_longer_than_the_pack_is_refused_at_construction(llama_path):
+    with pytest.raises(ValueError, match=r"GRPOConfig\.max_completion_length=16 is not below max_tokens=16"):
+        _trainer(llama_path, trainer_kwargs={"max_tokens": 16})
+
+
+def test_a_prompt_longer_than_the_pack_names_max_tokens_and_the_prompt(llama_path):
+    rows = [{"prompt": "a " * 40}] * 2  # 80 prompt tokens, packs of 64
+    with pytest.raises(ValueError, match=r"more than max_tokens=64 \(the longest: a prompt of 80 tokens and a completion"):
+        _trainer(llama_path, rows=rows, trainer_kwargs={"max_tokens": 64}, train=True)
+
+
+def test_no_completion_token_after_masking_names_mask_truncated_completions(llama_path):
+    """Every completion reaches max_completion_length without EOS, and mask_truncated_completions drops them all."""
+    with pytest.raises(ValueError, match=r"mask_truncated_completions=True masks the completions that reach "
+                                         r"max_completion_length=16"):
+        _trainer(llama_path, lengths=(16,), mask_truncated_completions=True, train=True)
+
+
+def test_rloo_takes_rloo_config(llama_path):
+    from trl import GRPOConfig
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPRLOOTrainer
+
+    with accelerate_env(0, 1) as out:
+        with pytest.raises(ValueError, match="args must be a trl.RLOOConfig; got GRPOConfig"):
+            BlockdiagCPRLOOTrainer(model=llama_path, reward_funcs=len, args=GRPOConfig(output_dir=out, use_cpu=True, bf16=False))
+
+
+def test_text_only_rows(llama_path):
+    import torch
+
+    ids = torch.ones(2, 6, dtype=torch.long)
+    with accelerate_env(0, 1) as out:
+        args = rl_config("grpo", out, **model_kwargs("blockdiag_cp"))
+        trainer = quiet(rl_trainer("grpo", llama_path, args, True))
+        with pytest.raises(ValueError, match=r"takes text-only rows; got the multimodal inputs \['pixel_values'\]"):
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
+                                                       pixel_values=torch.zeros(1))
