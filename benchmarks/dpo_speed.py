@@ -289,15 +289,16 @@ def ratios(rows: list[dict], labels: list[str], sizes: list[int]) -> list[dict]:
     return out
 
 
-def method_rows(args, result: dict, name: str, method: str, S: int, steps: int) -> list[dict]:
-    """The method's row at S; trl: with the attention fixed for the model once one ran (or ran out of
-    memory), else each of --trl-attn in turn until one does, the failed attempts rows too (they say why)."""
-    history = result["rows"] + result["fit_rows"]
+def method_rows(args, history: list[dict], name: str, method: str, S: int, steps: int, run=None) -> list[dict]:
+    """The method's row at S (`run`: this script's `run_row` or another benchmark's, same arguments);
+    trl: with the attention fixed for the model once one ran (or ran out of memory), else each of
+    --trl-attn in turn until one does, the failed attempts rows too (they say why)."""
+    run = run_row if run is None else run
     if method == "ours":
-        return [run_row(args, history, name, "ours", S, args.attn_backend, steps)]
+        return [run(args, history, name, "ours", S, args.attn_backend, steps)]
     out = []
     for attn in [args.trl_attn_of[name]] if name in args.trl_attn_of else args.trl_attn:
-        out.append(run_row(args, history + out, name, "trl", S, attn, steps))
+        out.append(run(args, history + out, name, "trl", S, attn, steps))
         if out[-1]["status"] in ("ok", "oom"):
             args.trl_attn_of[name] = attn
         if not out[-1]["status"].startswith("error"):
@@ -308,7 +309,7 @@ def method_rows(args, result: dict, name: str, method: str, S: int, steps: int) 
 def grid(args, result: dict, name: str, save) -> None:
     for S in args.seq_lens:
         for method in args.methods:
-            result["rows"].extend(method_rows(args, result, name, method, S, 1 + args.steps))
+            result["rows"].extend(method_rows(args, result["rows"] + result["fit_rows"], name, method, S, 1 + args.steps))
             save(result)
 
 
@@ -331,7 +332,7 @@ def longest(args, result: dict, name: str, save) -> None:
             if one_step > args.row_budget_s:
                 entry.update(why=f"skipped: S={S}, one step ~{one_step:.0f} s expected, over --row-budget-s")
                 break
-            rows = method_rows(args, result, name, method, S, 1)
+            rows = method_rows(args, result["rows"] + result["fit_rows"], name, method, S, 1)
             result["fit_rows"].extend(rows)
             status = rows[-1]["status"]
             if status != "ok":

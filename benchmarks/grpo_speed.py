@@ -197,20 +197,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def method_rows(args, rows: list[dict], name: str, method: str, C: int) -> list[dict]:
-    """ours at C; trl with each of --trl-attn in turn until one runs (or runs out of memory)."""
-    if method == "ours":
-        return [run_row(args, rows, name, "ours", C, args.attn_backend, 1 + args.steps)]
-    out = []
-    for attn in [args.trl_attn_of[name]] if name in args.trl_attn_of else args.trl_attn:
-        out.append(run_row(args, rows + out, name, "trl", C, attn, 1 + args.steps))
-        if out[-1]["status"] in ("ok", "oom"):
-            args.trl_attn_of[name] = attn
-        if not out[-1]["status"].startswith("error"):
-            break
-    return out
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(format="%(message)s")
@@ -221,7 +207,8 @@ def main(argv=None) -> None:
     for name in args.models:
         for C in args.max_completions:
             for method in args.methods:
-                result["rows"].extend(method_rows(args, result["rows"], name, method, C))
+                rows = shared.method_rows(args, result["rows"], name, method, C, 1 + args.steps, run=run_row)
+                result["rows"].extend(rows)
                 save(args, result)
     print(save(args, result), flush=True)
 
