@@ -19,7 +19,7 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.config import OVERLAP_SPLITS
 from hf_blockdiag_cp.integrations.accelerate import launch_error, launched_world_size
 from hf_blockdiag_cp.kernels import kernel_names
-from hf_blockdiag_cp.kernels.registry import KernelUnavailableError
+from hf_blockdiag_cp.kernels.attention.registry import KernelUnavailableError
 from hf_blockdiag_cp.planning import exchange_names, layout_strategies
 
 

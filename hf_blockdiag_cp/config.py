@@ -2,7 +2,7 @@
 
 Users name kernels and exchanges in many spellings (`flash_attn`, `FA2`, `all-gather` ...);
 a `CPConfig` holds only the canonical names, which come from the records (kernels:
-`kernels.registry`; exchanges: `planning.exchange_registry`, registered by `comm.exchanges`).
+`kernels.attention.registry`; exchanges: `planning.exchange_registry`, registered by `comm.exchanges`).
 `make_cp_blockdiag_batch_and_ctx(..., config=CPConfig(...))` uses the given object; without
 one it uses the process default, which `configure_cp` (seed name `configure_cp_varlen`) sets.
 Nothing else configures a step.
@@ -56,7 +56,7 @@ class CPConfig:
       a sliding window attend in order). False: in order. Exact in every mode; the K/V exchanges
       (`allgather`, `halo`, `a2a`: records with `begin`) can overlap, `heads` cannot and is refused.
     mixer_backend: the kernels of recurrent token mixers (hybrid models' gated delta rule and short
-      convolution; `kernels.mixer_registry`): `auto` (fla where it was verified, else torch), `torch`
+      convolution; `kernels.mixers.registry`): `auto` (fla where it was verified, else torch), `torch`
       or `fla` (refused where not verified).
     mixer_transport: how those mixers cross the CP group: `heads` (head-parallel all-to-all; needs
       the heads divisible by G), `states` (state passing, any G) or `auto` (per step and layer, the

@@ -20,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..comm.exchange import exchange_kv
 from ..comm.notice import warn_once
 from ..kernels import choose_kernel
-from ..kernels.dense import attention_with_features
+from ..kernels.attention.dense import attention_with_features
 from ..planning import get_exchange
 from ..step.model_support import check_model_support
 from ..step.state import STEP_KWARG, CPStep, StepPart, active_step
@@ -155,7 +155,7 @@ def split_attention(step: CPStep, q, k, v, wait, *, scale, sliding_window, featu
     Split by queries: the queries whose keys are all local, then the others, each query whole in one
     part; putting the parts back in order is exact. Split by keys (`by_keys`): every query over its
     rank's own keys, then the queries with keys on other ranks over those, merged by log-sum-exp
-    (`kernels.lse`); the sinks join the local part only, so they count once, and the layer has no
+    (`kernels.attention.lse`); the sinks join the local part only, so they count once, and the layer has no
     sliding window (`blockdiag_attention` runs windowed layers in order: the remote part's kernels
     run without a causal mask, hence without a window)."""
     split = step.overlap

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .. import CPConfig, make_cp_blockdiag_batch_and_ctx
 from ..kernels import unsupported_reason
-from ..kernels.flex import compiled_flex
+from ..kernels.attention.flex import compiled_flex
 from ..attention import blockdiag_attention
 from ..step import STEP_KWARG
 from .common import (

@@ -2,7 +2,7 @@
 CP: where a mixer runs (`context.MixerContext`), the state-passing transport (`state_passing`), and
 one module per mixer kind (`gated_delta`: the gated delta rule and KDA; `gated_conv`: LFM2's short
 gated convolution; `lightning`: MiniMax's lightning attention). The pure planning is
-`planning.mixer_plan`, the kernels are `kernels.mixer_registry` records; the model patches
+`planning.mixer_plan`, the kernels are `kernels.mixers.registry` records; the model patches
 (`model_patches`) call in here.
 """
 

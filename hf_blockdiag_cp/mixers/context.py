@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.notice import warn_once
-from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel, mixer_refusals
+from ..kernels.mixers.registry import MixerDims, MixerKernelRecord, RunTable, choose_mixer_kernel, mixer_refusals
 from ..planning import Layout
 from ..planning.mixer_plan import MixerRuns, MixerShape, choose_mixer_transport, mixer_cost_for, pack_runs
 from ..step.state import MIXER_CONTEXT_KEY

@@ -3,7 +3,7 @@ exact per document, on one rank or over a CP group.
 
 The layer computes y = C ⊙ conv(B ⊙ x) from its projections: the gates B and C act per row, so
 only the depthwise causal convolution mixes tokens. The mixer convolves the gated input with the
-window restarted at every document, by the kernel the context chose (`kernels.short_conv`). Under
+window restarted at every document, by the kernel the context chose (`kernels.mixers.short_conv`). Under
 CP it runs by state passing: the `W - 1` rows before each piece come from the ranks that hold them
 (`state_passing.conv_with_halo`), a few rows per piece, so there is nothing for a head- or
 channel-parallel transport to save. The model patch (`model_patches.lfm2`) reads a
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.mixer_registry import MixerDims
+from ..kernels.mixers.registry import MixerDims
 from .context import MixerContext
 from .state_passing import conv_with_halo
 

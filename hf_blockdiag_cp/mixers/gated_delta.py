@@ -5,7 +5,7 @@ along its key axis, so one mixer serves them; the layer record names the kernel 
 
 From the layer's projections (pre-convolution q|k|v `mixed`, and the gate inputs `b`, `a`) to its
 core output `[L, Hv, Dv]`: the short causal convolution, then the chunked delta rule, both
-restarted at every document, with the kernels the context chose (`kernels.mixer_registry`) and the
+restarted at every document, with the kernels the context chose (`kernels.mixers.registry`) and the
 transport of the step (`planning.mixer_plan`): "local" (one rank), "heads" (head-parallel: the
 whole pack for a group of heads) or "states" (state passing: this rank's rows, states from the
 ranks before). The model patches (`model_patches.gated_delta`, `model_patches.kda`) read a
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm.head_shards import heads_to_seq, seq_to_heads
-from ..kernels.mixer_registry import MixerDims
+from ..kernels.mixers.registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
 from .state_passing import conv_with_halo, delta_rule_with_states

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.mixer_registry import MixerDims
+from ..kernels.mixers.registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
 from .state_passing import lightning_with_states

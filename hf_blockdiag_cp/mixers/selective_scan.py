@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels.mixer_registry import MixerDims
+from ..kernels.mixers.registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
 from .state_passing import conv_rows, selective_scan_with_states

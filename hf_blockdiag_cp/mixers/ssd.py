@@ -4,7 +4,7 @@ over a packed row, exact per document, on one rank or over a CP group.
 From the layer's projections (pre-convolution x|B|C `xbc` and the raw time steps `dt`) to its scan
 output `[L, H, P]` (D skip included, before the gated norm): the depthwise causal convolution, then
 the chunked SSD scan, both restarted at every document, with the kernels the context chose
-(`kernels.mixer_registry`: `short_conv`, `ssd_scan`) and the step's transport: "local" (one rank)
+(`kernels.mixers.registry`: `short_conv`, `ssd_scan`) and the step's transport: "local" (one rank)
 or "states" (state passing, any G: `state_passing.conv_with_halo` and `ssd_with_states`). There is
 no head-parallel transport: B and C are shared by the heads of a group, which a head split would
 have to copy. The model patch (`model_patches.mamba2`) reads an `SsdLayer` off the module.
@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels.mixer_registry import MixerDims
+from ..kernels.mixers.registry import MixerDims
 from ..planning.mixer_plan import MixerShape
 from .context import MixerContext
 from .state_passing import conv_rows, ssd_with_states

@@ -27,13 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.blocks import after, all_gather_blocks
-from ..kernels.mixer_registry import MixerDims, MixerKernelRecord, RunTable
+from ..kernels.mixers.buckets import with_zero_row
+from ..kernels.mixers.registry import MixerDims, MixerKernelRecord, RunTable
 from ..planning.mixer_plan import ConvHaloPlan, MixerRuns, MixerShape, StatePassingPlan, plan_conv_halo, plan_state_passing
 from .context import MixerContext
-
-
-def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))])
 
 
 @dataclass(frozen=True)
@@ -57,7 +54,7 @@ def conv_with_halo(ctx: MixerContext, kernel: MixerKernelRecord, x, weight, bias
     """`x [L, C]` convolved per document across ranks -> (`[L, C]`, the gathered rows: order them)."""
     width = weight.shape[-1] - 1
     halo = _halo(ctx, width, x.device)
-    padded = _with_zero_row(x)
+    padded = with_zero_row(x)
     sent = padded.index_select(0, halo.send_rows)
     gathered = all_gather_blocks(sent, ctx.group, ctx.world_size).reshape(-1, x.shape[1])
     ext = torch.cat([x, gathered, x.new_zeros(1, x.shape[1])]).index_select(0, halo.ext_index)
@@ -126,8 +123,8 @@ def carried_start_states(ctx: MixerContext, final, transition, compose, order_af
     plan = states.plan
     p_shape, s_shape = tuple(transition.shape[1:]), tuple(final.shape[1:])
     p_size = torch.Size(p_shape).numel()
-    blocks = torch.cat([_with_zero_row(transition.float().flatten(1)).index_select(0, states.transition_index),
-                        _with_zero_row(final.float().flatten(1)).index_select(0, states.final_index)], dim=-1)
+    blocks = torch.cat([with_zero_row(transition.float().flatten(1)).index_select(0, states.transition_index),
+                        with_zero_row(final.float().flatten(1)).index_select(0, states.final_index)], dim=-1)
     blocks = after(blocks, order_after)
     gathered = all_gather_blocks(blocks, ctx.group, ctx.world_size).reshape(-1, blocks.shape[-1])
     if not plan.carried.numel():

@@ -26,10 +26,10 @@ from typing import Callable
 
 import torch
 
+from ..registry import AUTO, Registry
 from .exchange_plan import AttentionShape, ExchangeBytes, ExchangePlan, RankExchange
 from .layout import Layout
 
-AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -135,69 +135,40 @@ class ExchangeRecord:
         return max(sum(self.rows_per_layer(plan, r)) for r in range(plan.cp_size))
 
 
-_RECORDS: dict[str, ExchangeRecord] = {}
-_SPELLINGS: dict[str, str] = {}
-
-
-def _key(spelling: str) -> str:
-    return spelling.strip().lower().replace("-", "_")
+EXCHANGES: Registry[ExchangeRecord] = Registry("kv_exchange", "an exchange")
 
 
 def register_exchange(record: ExchangeRecord) -> ExchangeRecord:
     """Add (or replace, by name) an exchange; its name and aliases become accepted `kv_exchange` spellings."""
-    keys = {_key(s) for s in (record.name, *record.aliases)}
-    for key in sorted(keys):
-        owner = "the per-step choice" if key == AUTO else repr(_SPELLINGS.get(key, record.name))
-        if owner != repr(record.name):
-            raise ValueError(f"exchange {record.name!r}: the spelling {key!r} already names {owner}")
-    unregister_exchange(record.name)
-    _RECORDS[record.name] = record
-    _SPELLINGS.update(dict.fromkeys(keys, record.name))
-    return record
+    return EXCHANGES.register(record)
 
 
 def unregister_exchange(name: str) -> ExchangeRecord | None:
     """Remove exchange `name` and its spellings; return its record (None if it was not registered)."""
-    record = _RECORDS.pop(name, None)
-    for key in [k for k, owner in _SPELLINGS.items() if owner == name]:
-        del _SPELLINGS[key]
-    return record
+    return EXCHANGES.unregister(name)
 
 
 def exchange_names() -> tuple[str, ...]:
     """The registered exchanges, in registration order."""
-    return tuple(_RECORDS)
+    return EXCHANGES.names()
 
 
 def exchange_records() -> tuple[ExchangeRecord, ...]:
-    return tuple(_RECORDS.values())
+    return EXCHANGES.records()
 
 
 def get_exchange(name: str) -> ExchangeRecord:
-    try:
-        return _RECORDS[name]
-    except KeyError:
-        raise ValueError(f"kv_exchange={name!r} is not an exchange; available: {', '.join(_RECORDS)}") from None
+    return EXCHANGES.get(name)
 
 
 def canonical_exchange_name(spelling: str) -> str:
     """The canonical name (or "auto") for any accepted spelling of `kv_exchange` (case and '-'/'_' insensitive)."""
-    accepted = ", ".join((AUTO, *_RECORDS))
-    if not isinstance(spelling, str):
-        raise TypeError(f"kv_exchange must be a string, one of {accepted}; got {type(spelling).__name__}")
-    key = _key(spelling)
-    name = AUTO if key == AUTO else _SPELLINGS.get(key)
-    if name is None:
-        raise ValueError(
-            f"kv_exchange={spelling!r} is not supported; accepted values: {accepted} "
-            f"(synonyms: {', '.join(sorted((AUTO, *_SPELLINGS)))}; case and '-'/'_' insensitive)"
-        )
-    return name
+    return EXCHANGES.canonical(spelling)
 
 
 def auto_order() -> list[ExchangeRecord]:
     """The records `auto` may choose, in tie-break order."""
-    return sorted((r for r in _RECORDS.values() if r.auto_priority is not None), key=lambda r: r.auto_priority)
+    return EXCHANGES.auto_order()
 
 
 def choose_exchange(requested: str, plan: ExchangePlan | None, cross_node_ok: bool = True) -> str:
@@ -213,7 +184,7 @@ def choose_exchange(requested: str, plan: ExchangePlan | None, cross_node_ok: bo
     """
     if requested != AUTO:
         record, tried = get_exchange(requested), {}
-        while (reason := record.reason(plan)) is not None:
+        while (reason := EXCHANGES.refusal(record, lambda r: r.reason(plan))) is not None:
             tried[record.name] = reason
             if record.fallback is None or record.fallback in tried:
                 why = "; ".join(f"{name}: {r}" for name, r in tried.items())
@@ -224,7 +195,7 @@ def choose_exchange(requested: str, plan: ExchangePlan | None, cross_node_ok: bo
         raise ValueError("kv_exchange='auto' needs the step's exchange plan")
     candidates, skipped = [], []
     for record in auto_order():
-        reason = record.reason(plan)
+        reason = EXCHANGES.refusal(record, lambda r: r.reason(plan))
         if reason is None and record.needs_single_node and not cross_node_ok:
             reason = "needs a single node (set allow_cross_node_a2a=True to allow it across nodes)"
         if reason is None:

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..registry import Registry
 from .kernel_cost import DEFAULT_KERNEL_COST, KernelCost
 from .segments import (
     Segments,
@@ -32,19 +33,30 @@ from .segments import (
 
 DEFAULT_TOLERANCE = 0.05
 
-# name -> (boundaries [n_segments + 1], cp_size, tolerance, kernel_cost) -> slot positions [G, L]
+# (boundaries [n_segments + 1], cp_size, tolerance, kernel_cost) -> slot positions [G, L]
 LayoutStrategy = Callable[[torch.Tensor, int, float, KernelCost], torch.Tensor]
-_STRATEGIES: dict[str, LayoutStrategy] = {}
+
+
+@dataclass(frozen=True)
+class LayoutRecord:
+    """A layout strategy under its name (`CPConfig.layout`, `plan_layout(strategy=)`)."""
+
+    name: str
+    slot_positions: LayoutStrategy
+
+
+LAYOUTS: Registry[LayoutRecord] = Registry(
+    "strategy", "a layout strategy", missing="{option}={name!r} is not supported; accepted values: {available}")
 
 
 def register_layout_strategy(name: str, strategy: LayoutStrategy) -> LayoutStrategy:
     """Make `strategy` available as `plan_layout(..., strategy=name)` (and in `CPConfig.layout`)."""
-    _STRATEGIES[name] = strategy
+    LAYOUTS.register(LayoutRecord(name, strategy))
     return strategy
 
 
 def layout_strategies() -> tuple[str, ...]:
-    return tuple(_STRATEGIES)
+    return LAYOUTS.names()
 
 
 def contiguous_slot_positions(
@@ -161,8 +173,7 @@ def plan_layout(
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive integer; got {cp_size!r}")
-    if strategy not in _STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not supported; accepted values: {', '.join(_STRATEGIES)}")
+    record = LAYOUTS.get(strategy)
     if not tolerance > 0:
         raise ValueError(f"tolerance must be > 0; got {tolerance!r}")
     kernel_cost = DEFAULT_KERNEL_COST if kernel_cost is None else kernel_cost
@@ -174,7 +185,7 @@ def plan_layout(
     s_pad = padded_length(seq_len, cp_size)
     padded = torch.cat([ids, torch.zeros(s_pad - seq_len, dtype=torch.long)])
     segments = Segments.from_document_ids(padded)
-    slots = _STRATEGIES[strategy](segments.boundaries, cp_size, tolerance, kernel_cost)
+    slots = record.slot_positions(segments.boundaries, cp_size, tolerance, kernel_cost)
     if tuple(slots.shape) != (cp_size, s_pad // cp_size):
         raise AssertionError(f"layout strategy {strategy!r} returned shape {tuple(slots.shape)}, expected {(cp_size, s_pad // cp_size)}")
     return Layout(strategy, cp_size, seq_len, s_pad, slots, padded, segments)

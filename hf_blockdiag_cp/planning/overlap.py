@@ -21,7 +21,7 @@ its rank holds while the exchange is in flight (the *local* part: all query runs
 a run's own positions end its local keys and every other local key precedes them), then over the
 keys of other ranks once they arrived (the *remote* part: the runs that have such keys, and only
 those keys, which all precede the run's queries: `RankPlan.causal` False). The two partial
-softmaxes are merged by their log-sum-exp (`kernels.lse`). The gain is the work over held keys
+softmaxes are merged by their log-sum-exp (`kernels.attention.lse`). The gain is the work over held keys
 (`planning.key_local_work`), never less than the query split's. Padding runs attend over the
 padding rows the rank holds, in the local part only, as in the query split.
 

@@ -25,7 +25,7 @@ import torch
 
 from ..comm.exchange import ExchangeMeter
 from ..compat.transformers import attn_implementation as config_attn_implementation
-from ..kernels.lse import merge_into
+from ..kernels.attention.lse import merge_into
 from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
 from .model_support import configured_model
 
@@ -243,7 +243,7 @@ class StepOverlap:
 
     def merge_by_keys(self, local_out, local_lse, remote_out, remote_lse) -> torch.Tensor:
         """`[L, H, Dv]`: the local part's output (every query over its rank's keys), with the rows of
-        the remote part's queries merged with the remote part's by log-sum-exp (`kernels.lse`)."""
+        the remote part's queries merged with the remote part's by log-sum-exp (`kernels.attention.lse`)."""
         return merge_into(local_out, local_lse, self.remote.queries, remote_out, remote_lse)
 
 

@@ -145,7 +145,7 @@ def test_argument_errors_name_the_flag(script, args, expected):
 
 BOGUS_BACKEND = "--attn-backend='bogus' is not a kernel; accepted: auto, " + ", ".join(kernel_names())
 FA4_UNAVAILABLE = ("attn_backend='fa4' cannot run here: flash-attn-4 (flash_attn.cute) does not import in this "
-                   "environment (install the [fa4] extra)")
+                   "environment: not installed (the [fa4] extra)")
 
 
 def _rank_env(rank: int) -> dict[str, str]:
@@ -243,7 +243,7 @@ def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, 
     in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report).
     trainer_packed.py under torchrun; train_packed.py and sft_trl.py as one process (`python
     script`), their `__main__` run in this process, which must end at its `os._exit(2)`."""
-    from hf_blockdiag_cp.kernels.fa4 import available
+    from hf_blockdiag_cp.kernels.attention.fa4 import available
 
     if available():
         pytest.skip("flash-attn-4 imports here")

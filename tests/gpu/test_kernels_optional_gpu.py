@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
-from hf_blockdiag_cp.kernels.dense import dense_attention
+from hf_blockdiag_cp.kernels.attention.dense import dense_attention
 from hf_blockdiag_cp.planning import plan_layout
 from hf_blockdiag_cp.step import build_step
 

@@ -1,4 +1,4 @@
-"""The kernels that return their log-sum-exp (`KernelRecord.returns_lse`, `kernels.lse`), on a GPU:
+"""The kernels that return their log-sum-exp (`KernelRecord.returns_lse`, `kernels.attention.lse`), on a GPU:
 the output, the lse and the gradients of q, k, v (and sinks) through both, for the two parts of a
 split by keys (the local part causal, the remote part not), with a softcap and with sinks, against
 the dense kernel in float64. The criterion is docs/testing.md's: the kernel's bf16 error at most
@@ -12,7 +12,7 @@ import torch
 
 from hf_blockdiag_cp.attention.entry import needed_keys
 from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
-from hf_blockdiag_cp.kernels.fa4 import VERIFIED_HEAD_DIMS
+from hf_blockdiag_cp.kernels.attention.fa4 import VERIFIED_HEAD_DIMS
 from hf_blockdiag_cp.planning import plan_layout
 from hf_blockdiag_cp.step import build_step
 
@@ -87,7 +87,7 @@ def test_fa4_lse_and_its_backward_match_float64(feature, head_dims):
 
 @pytest.mark.parametrize("kernel", ["fa4", "dense"])
 def test_the_merged_split_equals_the_whole_attention(kernel):
-    """Both parts of every rank, merged by `StepOverlap.merge_by_keys` (`kernels.lse.merge_into`),
+    """Both parts of every rank, merged by `StepOverlap.merge_by_keys` (`kernels.attention.lse.merge_into`),
     against the float64 dense attention of the whole plan: outputs and q, k, v gradients."""
     head_dim = 64
     reason = unsupported_reason(kernel, torch.device("cuda"), torch.bfloat16, head_dim, head_dim, needs_lse=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import MixerDims
-from hf_blockdiag_cp.kernels.mixer_registry import mixer_refusals
+from hf_blockdiag_cp.kernels.mixers.registry import mixer_refusals
 from hf_blockdiag_cp.mixers.context import MixerContext
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 

@@ -1,5 +1,5 @@
-"""The fla mixer kernels (`kernels.delta_rule`, `kernels.kda`, `kernels.ssd`, `kernels.lightning`,
-`kernels.short_conv`) on a GPU, where their `FLA_*VERIFIED` sets come from.
+"""The fla mixer kernels (`kernels.mixers.delta_rule`, `kernels.mixers.kda`, `kernels.mixers.ssd`, `kernels.mixers.lightning`,
+`kernels.mixers.short_conv`) on a GPU, where their `FLA_*VERIFIED` sets come from.
 
 Over runs of 1 to 1,500 tokens and a padding run, without states and with an initial state per run
 and the final states (what state passing feeds in and takes out), the outputs and the gradients of every input, the
@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
-from hf_blockdiag_cp.kernels.delta_rule import FLA_VERIFIED, fla_backend_reason, fla_delta_rule, torch_delta_rule
-from hf_blockdiag_cp.kernels.kda import FLA_KDA_VERIFIED, fla_kda
-from hf_blockdiag_cp.kernels.lightning import FLA_LIGHTNING_VERIFIED, fla_lightning_attention, torch_lightning_attention
-from hf_blockdiag_cp.kernels.short_conv import FLA_CONV_VERIFIED, fla_short_conv, torch_short_conv
-from hf_blockdiag_cp.kernels.ssd import FLA_SSD_VERIFIED, fla_ssd_scan, torch_ssd_scan
+from hf_blockdiag_cp.kernels.mixers.delta_rule import FLA_VERIFIED, fla_delta_rule, torch_delta_rule
+from hf_blockdiag_cp.kernels.mixers.fla import fla_backend_reason
+from hf_blockdiag_cp.kernels.mixers.kda import FLA_KDA_VERIFIED, fla_kda
+from hf_blockdiag_cp.kernels.mixers.lightning import FLA_LIGHTNING_VERIFIED, fla_lightning_attention, torch_lightning_attention
+from hf_blockdiag_cp.kernels.mixers.short_conv import FLA_CONV_VERIFIED, fla_short_conv, torch_short_conv
+from hf_blockdiag_cp.kernels.mixers.ssd import FLA_SSD_VERIFIED, fla_ssd_scan, torch_ssd_scan
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -161,7 +162,7 @@ def _ssd_run(fn, inputs, dtype, table, probes):
 
 
 def test_fla_gla_as_the_ssd_scan_matches_fp32():
-    """Mamba2's scan through fla's chunk_gla (`kernels.ssd.fla_ssd_scan`) against the family's torch
+    """Mamba2's scan through fla's chunk_gla (`kernels.mixers.ssd.fla_ssd_scan`) against the family's torch
     scan in fp32: output, final states and the gradient of every input (`FLA_SSD_VERIFIED`)."""
     table = _table()
     rows, runs = table.num_rows, table.runs.lengths.numel()

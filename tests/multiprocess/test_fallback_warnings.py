@@ -36,7 +36,7 @@ def _split_documents(group):
 def _overlap_keys_kernel(group):
     """`auto` prefers a kernel without a log-sum-exp output (registered for this case: on CPU `auto` has
     only `dense`), so the split by keys runs `dense` instead: what fa4 at an unverified head dim does."""
-    from hf_blockdiag_cp.kernels import get_kernel, registry
+    from hf_blockdiag_cp.kernels.attention import get_kernel, registry
 
     dense = get_kernel("dense")
     record = registry.KernelRecord(name="no_lse_case", fn=dense.fn, check=lambda *args: None, auto_priority=-1,
@@ -51,7 +51,7 @@ def _overlap_keys_kernel(group):
             model(**local).loss.backward()
         assert step.choices.kernels == ("dense",), step.choices
     finally:  # the pool's processes serve no other test, but leave the registry as it was
-        del registry._RECORDS[record.name], registry._SPELLINGS[record.name]
+        registry.KERNELS.unregister(record.name)
 
 
 CASES = {

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import RunTable
-from hf_blockdiag_cp.kernels.delta_rule import torch_delta_rule
-from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.kernels.mixers.delta_rule import torch_delta_rule
+from hf_blockdiag_cp.kernels.mixers.short_conv import torch_short_conv
 from hf_blockdiag_cp.mixers import MixerContext, gated_conv_mix, gated_delta_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, gated_delta, kda, lfm2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns

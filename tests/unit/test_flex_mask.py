@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.kernels.flex import _mask_mod
+from hf_blockdiag_cp.kernels.attention.flex import _mask_mod
 from hf_blockdiag_cp.planning import dense_allowed
 from hf_blockdiag_cp.step import build_step
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy, window_strategy
@@ -68,7 +68,7 @@ def test_block_classes_against_dense(runs, cp_size, kind, window, exchange, bloc
     whose every pair is allowed (away from the sequence end), kept tiles hold every allowed pair.
     Contiguous rows on the all-gather are the tight case: a query tile's intervals are then
     adjacent, so a kept tile that meets their span holds an allowed pair."""
-    from hf_blockdiag_cp.kernels.flex import block_classes, query_intervals
+    from hf_blockdiag_cp.kernels.attention.flex import block_classes, query_intervals
 
     layout = make_layout(pack_ids(runs), cp_size, kind)
     for rank in range(cp_size):

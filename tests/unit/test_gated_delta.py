@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import RunTable
-from hf_blockdiag_cp.kernels.delta_rule import torch_delta_rule
-from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.kernels.mixers.delta_rule import torch_delta_rule
+from hf_blockdiag_cp.kernels.mixers.short_conv import torch_short_conv
 from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.model_patches import gated_delta
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns

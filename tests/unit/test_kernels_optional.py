@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import choose_kernel, kernel_names, unsupported_reason
-from hf_blockdiag_cp.kernels import flash as flash_mod
-from hf_blockdiag_cp.kernels.dense import dense_attention
+from hf_blockdiag_cp.kernels.attention import flash as flash_mod
+from hf_blockdiag_cp.kernels.attention.dense import dense_attention
 from hf_blockdiag_cp.planning import plan_layout
 from hf_blockdiag_cp.step import build_step
 from helpers.layouts import make_layout, pack_ids
@@ -36,7 +36,7 @@ def test_registered_but_never_auto(name, monkeypatch):
 
 @pytest.mark.parametrize("name", ["flash", "te"])
 def test_missing_package_is_refused_with_the_reason(name):
-    module = flash_mod if name == "flash" else __import__("hf_blockdiag_cp.kernels.te", fromlist=["available"])
+    module = flash_mod if name == "flash" else __import__("hf_blockdiag_cp.kernels.attention.te", fromlist=["available"])
     if module.available():
         pytest.skip(f"{name} imports here")
     with pytest.raises(ValueError, match="does not import"):
@@ -151,7 +151,7 @@ class _FakeDotProductAttention(torch.nn.Module):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_te_kernel_plumbing_on_a_stand_in(monkeypatch, window):
-    from hf_blockdiag_cp.kernels import te as te_mod
+    from hf_blockdiag_cp.kernels.attention import te as te_mod
 
     fake = types.SimpleNamespace(DotProductAttention=_FakeDotProductAttention)
     monkeypatch.setattr(te_mod, "_te_module", lambda: fake)

@@ -16,9 +16,10 @@ REPO = Path(__file__).resolve().parents[2]
 # model_patches/ is a top-level folder of the repository installed as hf_blockdiag_cp.model_patches.
 PATCHES = Path(hf_blockdiag_cp.model_patches.__file__).parent
 # Bottom up; a module may import its own layer and the layers before it.
-LAYERS = ["compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "logprobs",
+LAYERS = ["registry", "compat", "planning", "comm", "kernels", "config", "step", "attention", "mixers", "model_patches", "logprobs",
           "data", "integrations", "bench"]
 BELOW = {
+    "registry": set(),  # the one generic registry of records (pure Python); every layer may use it
     "compat": set(),  # the upstream internals the library reads; every layer but the pure planning may use it
     "planning": set(),
     "comm": {"compat", "planning"},
@@ -34,6 +35,10 @@ BELOW = {
                      "logprobs", "data"},
     "bench": set(LAYERS) - {"bench"} | {"root"},  # the benchmarks use the package as a user does
 }
+for _layer in LAYERS[1:]:
+    BELOW[_layer] = BELOW[_layer] | {"registry"}
+# Inside kernels/, the two kinds are independent of each other.
+KERNEL_KINDS = ("attention", "mixers")
 
 
 def _modules():
@@ -84,6 +89,31 @@ def test_layers_depend_only_downward():
             if target != layer and target not in BELOW[layer]:
                 wrong.append(f"{'.'.join(parts)} ({layer}) imports {name} ({target})")
     assert wrong == []
+
+
+def test_kernel_kinds_do_not_import_each_other():
+    wrong = []
+    for layer, parts, path in _modules():
+        if layer != "kernels" or len(parts) < 4 or parts[2] not in KERNEL_KINDS:
+            continue
+        for _, name in _imported_layers(parts, path):
+            bits = name.split(".")
+            if bits[1:2] == ["kernels"] and len(bits) > 2 and bits[2] in KERNEL_KINDS and bits[2] != parts[2]:
+                wrong.append(f"{'.'.join(parts)} imports {name}")
+    assert wrong == []
+    assert {parts[2] for layer, parts, _ in _modules() if layer == "kernels" and len(parts) > 3} >= set(KERNEL_KINDS)
+
+
+def test_the_runtime_never_imports_bench():
+    """bench/ is an optional subpackage (the CLI and calibration, docs/design.md): importing the library and
+    building a step must not load it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hf_blockdiag_cp, hf_blockdiag_cp.integrations.trainer, hf_blockdiag_cp.integrations.trl; "
+            "print(sorted(m for m in sys.modules if m.startswith('hf_blockdiag_cp.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
 
 
 def test_model_patches_install_inside_the_package():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hf_blockdiag_cp.kernels import RunTable
-from hf_blockdiag_cp.kernels.lightning import torch_lightning_attention
+from hf_blockdiag_cp.kernels.mixers.lightning import torch_lightning_attention
 from hf_blockdiag_cp.mixers import MixerContext, lightning_mix
 from hf_blockdiag_cp.model_patches import apply_model_patches, minimax
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
@@ -65,8 +65,8 @@ def test_fla_record_feeds_simple_gla_the_lightning_recurrence(monkeypatch):
     replaced by its documented definition (the GPU check, tests/gpu/test_mixer_kernels_gpu.py, checks
     fla's kernel itself); on the CPU `auto` keeps the torch kernel and naming fla is refused."""
     from hf_blockdiag_cp.kernels import choose_mixer_kernel
-    from hf_blockdiag_cp.kernels.lightning import fla_lightning_attention
-    from hf_blockdiag_cp.kernels.mixer_registry import MixerDims
+    from hf_blockdiag_cp.kernels.mixers.lightning import fla_lightning_attention
+    from hf_blockdiag_cp.kernels.mixers.registry import MixerDims
 
     fake_fla_gla(monkeypatch)
     g = torch.Generator().manual_seed(1)

@@ -1,4 +1,4 @@
-"""The merge of two partial softmaxes (`kernels.lse`), against float64 softmax attention over the
+"""The merge of two partial softmaxes (`kernels.attention.lse`), against float64 softmax attention over the
 union of the two key sets: the value, and every gradient (outputs and log-sum-exps) by
 `torch.autograd.gradcheck`, for a range of rows and an index of rows."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_blockdiag_cp.kernels.lse import merge_into
+from hf_blockdiag_cp.kernels.attention.lse import merge_into
 
 
 def _partial(q, k, v):

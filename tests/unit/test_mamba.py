@@ -1,5 +1,5 @@
 """The Mamba2 (SSD) and Mamba1 (selective-scan) patches and kernels on one process
-(model_patches/mamba2.py, mamba1.py; mixers/ssd.py, selective_scan.py; kernels/ssd.py,
+(model_patches/mamba2.py, mamba1.py; mixers/ssd.py, selective_scan.py; kernels/mixers/ssd.py,
 selective_scan.py; docs/models.md).
 
 - The torch SSD and selective-scan kernels equal a float64 step-by-step recurrence per run (the
@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.kernels import RunTable, choose_mixer_kernel
-from hf_blockdiag_cp.kernels.mixer_registry import MixerDims
-from hf_blockdiag_cp.kernels.selective_scan import torch_selective_scan
-from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
-from hf_blockdiag_cp.kernels.ssd import torch_ssd_scan
+from hf_blockdiag_cp.kernels.mixers.registry import MixerDims
+from hf_blockdiag_cp.kernels.mixers.selective_scan import torch_selective_scan
+from hf_blockdiag_cp.kernels.mixers.short_conv import torch_short_conv
+from hf_blockdiag_cp.kernels.mixers.ssd import torch_ssd_scan
 from hf_blockdiag_cp.mixers import MixerContext, selective_scan, ssd
 from hf_blockdiag_cp.model_patches import mamba1, mamba2
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
@@ -76,7 +76,7 @@ def test_fla_ssd_scan_feeds_gla_the_ssd_scan(monkeypatch):
     """The SSD scan mapped onto GLA (q = C, k = B, v = dt·x, g = dt·A on every key channel, state [P, N]) equals the
     float64 recurrence, with fla's kernel replaced by its documented definition: the mapping is checked
     here on every CI run; the GPU check (tests/gpu/test_mixer_kernels_gpu.py) checks fla's kernel."""
-    from hf_blockdiag_cp.kernels.ssd import fla_ssd_scan
+    from hf_blockdiag_cp.kernels.mixers.ssd import fla_ssd_scan
 
     fake_fla_gla(monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -219,8 +219,9 @@ def test_a_hybrid_whose_attention_bypasses_the_step_still_raises():
             model(**local).loss.backward()
 
 
-def test_mamba_ssm_and_fla_are_refused_until_verified():
-    with pytest.raises(ValueError, match="mamba_ssm.*CUDA"):
+def test_unverified_scan_kernels_are_refused():
+    """mamba-ssm has no record until verified; fla's scan is refused off CUDA; auto falls back to torch."""
+    with pytest.raises(ValueError, match="mixer_backend='mamba_ssm' has no ssd_scan kernel"):
         choose_mixer_kernel("ssd_scan", "mamba_ssm", torch.device("cpu"), torch.float32, MixerDims(8, 8))
     with pytest.raises(ValueError, match="fla.*CUDA"):
         choose_mixer_kernel("ssd_scan", "fla", torch.device("cpu"), torch.bfloat16, MixerDims(8, 8))

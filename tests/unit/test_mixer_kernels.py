@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
 from hf_blockdiag_cp.kernels import MixerDims, RunTable, choose_mixer_kernel
-from hf_blockdiag_cp.kernels.delta_rule import CHUNK, plan_buckets, torch_delta_rule
-from hf_blockdiag_cp.kernels.short_conv import torch_short_conv
+from hf_blockdiag_cp.kernels.mixers.buckets import CHUNK, plan_buckets
+from hf_blockdiag_cp.kernels.mixers.delta_rule import torch_delta_rule
+from hf_blockdiag_cp.kernels.mixers.short_conv import torch_short_conv
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 
 RULE = inspect.unwrap(qwen3_5.torch_chunk_gated_delta_rule)
@@ -136,9 +137,9 @@ def test_fla_is_refused_where_not_verified_and_auto_takes_torch():
 def test_fla_records_name_what_was_verified(monkeypatch):
     """On a GPU fla can run on (simulated: compute capability 9), each fla record runs exactly the calls in
     its verified set and otherwise says which it has, with states and head dims kept apart."""
-    from hf_blockdiag_cp.kernels import delta_rule, kda, lightning, short_conv, ssd
+    from hf_blockdiag_cp.kernels.mixers import delta_rule, fla, kda, lightning, short_conv, ssd
 
-    monkeypatch.setattr(delta_rule, "fla_device", lambda device: (None, 9))
+    monkeypatch.setattr(fla, "fla_device", lambda device: (None, 9))
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
     assert delta_rule.fla_check(cuda, bf16, MixerDims(128, 128, states=True)) is None  # verified on the H200
     reason = delta_rule.fla_check(cuda, bf16, MixerDims(64, 64, states=True))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.attention import AttentionFeatures, blockdiag_cp_attention_forward, local_attention
 from hf_blockdiag_cp.kernels import choose_kernel, unsupported_reason
-from hf_blockdiag_cp.kernels.flex import flex_attention_kernel
+from hf_blockdiag_cp.kernels.attention.flex import flex_attention_kernel
 from hf_blockdiag_cp.step import build_step
 from helpers.kernel_inputs import kernel_inputs, naive_attention
 from helpers.model_packs import vl_image_pack

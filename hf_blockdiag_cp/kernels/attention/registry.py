@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from ..planning.kernel_cost import KernelCost
+from ...planning.kernel_cost import KernelCost
+from ...registry import Registry, UnavailableError
 
 # Attention features beyond block-causal softmax that a layer may ask for (see attention.entry).
 FEATURES = ("softcap", "sinks")
@@ -37,7 +38,7 @@ class KernelRecord:
     `cost` is the kernel's calibrated cost model for balanced layouts (`calibrated_cost`; None:
     the planning default). `lse_check`, if any, says like `check` where `fn(..., return_lse=True)`
     returns `(out, lse)` with gradients through both and runs plans that are not causal
-    (`RankPlan.causal`), as the split by keys needs (`kernels.lse`): only where verified against
+    (`RankPlan.causal`), as the split by keys needs (`kernels.attention.lse`): only where verified against
     a reference (None: nowhere).
     """
 
@@ -92,7 +93,7 @@ def half_precision_cuda_reason(
     return None
 
 
-CALIBRATION_PATH = Path(__file__).with_name("calibration.json")
+CALIBRATION_PATH = Path(__file__).parents[1] / "calibration.json"
 
 
 @functools.cache
@@ -113,50 +114,29 @@ def calibrated_cost(name: str) -> KernelCost | None:
         raise ValueError(f"{CALIBRATION_PATH}: kernel {name!r}: {exc}") from None
 
 
-class KernelUnavailableError(ValueError):
-    """The configured kernel (or every kernel `auto` tries) cannot run a layer here: its package does
-    not import, or the device, dtype, head dims or features are not ones it runs. Fixed by the user
-    (another `attn_backend`, an install, a dtype), so scripts may report it as one line."""
+# The one error type of every registry (`hf_blockdiag_cp.registry`), under the name scripts catch.
+KernelUnavailableError = UnavailableError
 
-
-_RECORDS: dict[str, KernelRecord] = {}
-_SPELLINGS: dict[str, str] = {"auto": "auto"}
-
-
-def _key(spelling: str) -> str:
-    return spelling.strip().lower().replace("-", "_")
+KERNELS: Registry[KernelRecord] = Registry(
+    "attn_backend", "an attention kernel", missing="{option}={name!r} is not available in this installation (available: {available})")
 
 
 def register_kernel(record: KernelRecord) -> KernelRecord:
     """Add (or replace) a kernel record; its name and aliases become accepted `attn_backend` spellings."""
-    _RECORDS[record.name] = record
-    for spelling in (record.name, *record.aliases):
-        _SPELLINGS[_key(spelling)] = record.name
-    return record
+    return KERNELS.register(record)
 
 
 def kernel_names() -> tuple[str, ...]:
-    return tuple(_RECORDS)
+    return KERNELS.names()
 
 
 def get_kernel(name: str) -> KernelRecord:
-    try:
-        return _RECORDS[name]
-    except KeyError:
-        raise ValueError(f"attn_backend={name!r} is not available in this installation (available: {', '.join(_RECORDS)})") from None
+    return KERNELS.get(name)
 
 
 def canonical_kernel_name(spelling: str) -> str:
     """The canonical name (or "auto") for any accepted spelling of `attn_backend` (case and '-'/'_' insensitive)."""
-    if not isinstance(spelling, str):
-        raise TypeError(f"attn_backend must be a string, one of auto, {', '.join(_RECORDS)}; got {type(spelling).__name__}")
-    name = _SPELLINGS.get(_key(spelling))
-    if name is None:
-        raise ValueError(
-            f"attn_backend={spelling!r} is not supported; accepted values: auto, {', '.join(_RECORDS)} "
-            f"(synonyms: {', '.join(sorted(_SPELLINGS))}; case and '-'/'_' insensitive)"
-        )
-    return name
+    return KERNELS.canonical(spelling)
 
 
 def unsupported_reason(
@@ -164,18 +144,14 @@ def unsupported_reason(
     needs_lse: bool = False,
 ) -> str | None:
     """Why kernel `name` cannot run this attention call (with these `features`), or None if it can."""
-    if name not in _RECORDS:
-        return f"attn_backend={name!r} is not available in this installation (available: {', '.join(_RECORDS)})"
-    return _RECORDS[name].unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
+    if name not in KERNELS:
+        return f"attn_backend={name!r} is not available in this installation (available: {', '.join(KERNELS.names())})"
+    return KERNELS.refusal(KERNELS.get(name), lambda r: r.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse))
 
 
 def auto_order(device: torch.device) -> list[KernelRecord]:
     """The records `auto` tries on `device`, most preferred first."""
-    ranked = [
-        r for r in _RECORDS.values()
-        if r.auto_priority is not None and (r.auto_devices is None or device.type in r.auto_devices)
-    ]
-    return sorted(ranked, key=lambda r: r.auto_priority)
+    return KERNELS.auto_order(lambda r: r.auto_devices is None or device.type in r.auto_devices)
 
 
 def choose_kernel(
@@ -184,16 +160,8 @@ def choose_kernel(
 ) -> KernelRecord:
     """Resolve `auto` to a kernel for one layer's call (with `needs_lse`, one that `returns_lse`), or
     check an explicit choice; raise `KernelUnavailableError` saying why if it cannot run."""
-    if requested != "auto":
-        record = get_kernel(requested)
-        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
-        if reason is not None:
-            raise KernelUnavailableError(f"attn_backend={requested!r} cannot run here: {reason}")
-        return record
-    reasons = []
-    for record in auto_order(device):
-        reason = record.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse)
-        if reason is None:
-            return record
-        reasons.append(f"{record.name}: {reason}")
-    raise KernelUnavailableError(f"attn_backend='auto' found no kernel for this layer on {device}: {'; '.join(reasons)}")
+    return KERNELS.choose(
+        requested, lambda r: r.unsupported_reason(device, dtype, head_dim_k, head_dim_v, features, needs_lse),
+        where=f"for this layer on {device}",
+        keep=lambda r: r.auto_devices is None or device.type in r.auto_devices,
+    )

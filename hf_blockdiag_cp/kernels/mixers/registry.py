@@ -7,7 +7,7 @@ convolution), `ssd_scan` (Mamba2's chunked SSD scan), `selective_scan` (Mamba1's
 `lightning_attention` (MiniMax's linear attention with a constant decay per head). Every kernel
 of an operation runs over a `RunTable`: the runs it restarts at (documents, padding, or pieces of
 documents under state passing) on the device. A kernel module builds its `MixerKernelRecord` and
-registers it; `auto` takes, by `auto_priority`, the first whose `check` passes for the call: a fast
+registers it in its operation's `Registry`; `auto` takes, by `auto_priority`, the first whose `check` passes for the call: a fast
 kernel only where it was verified on a GPU (docs/models.md, "Kernels"), the torch kernel everywhere
 else.
 """
@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from ..planning.mixer_plan import MixerRuns
+from ...planning.mixer_plan import MixerRuns
+from ...registry import Registry, spelling_key
 
 MIXER_OPS = ("gated_delta_rule", "short_conv", "ssd_scan", "selective_scan", "kda", "lightning_attention")
 
@@ -96,26 +97,34 @@ class MixerKernelRecord:
     auto_priority: int | None = None
 
 
-_RECORDS: dict[tuple[str, str], MixerKernelRecord] = {}
+def runs_anywhere(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
+    """The torch kernels' check: they run every call."""
+    return None
+
+
+# One registry per operation: a kernel name (torch, fla) may serve several.
+_KERNELS: dict[str, Registry[MixerKernelRecord]] = {
+    op: Registry("mixer_backend", f"a {op} kernel", missing="{option}={name!r} has no {kind}; available: {available}")
+    for op in MIXER_OPS
+}
 
 
 def register_mixer_kernel(record: MixerKernelRecord) -> MixerKernelRecord:
     if record.op not in MIXER_OPS:
         raise ValueError(f"mixer kernel {record.name!r}: unknown op {record.op!r}; known: {', '.join(MIXER_OPS)}")
-    _RECORDS[(record.op, record.name)] = record
-    return record
+    return _KERNELS[record.op].register(record)
 
 
 def mixer_kernel_names() -> tuple[str, ...]:
     """Every registered mixer kernel name (a name may serve several ops)."""
-    return tuple(dict.fromkeys(name for _, name in _RECORDS))
+    return tuple(dict.fromkeys(name for kernels in _KERNELS.values() for name in kernels.names()))
 
 
 def canonical_mixer_backend(spelling: str) -> str:
     """`auto` or a registered mixer kernel name (case and '-'/'_' insensitive): `CPConfig.mixer_backend`."""
     if not isinstance(spelling, str):
         raise TypeError(f"mixer_backend must be a string; got {type(spelling).__name__}")
-    key = spelling.strip().lower().replace("-", "_")
+    key = spelling_key(spelling)
     names = ("auto", *mixer_kernel_names())
     if key not in names:
         raise ValueError(f"mixer_backend={spelling!r} is not supported; accepted values: {', '.join(names)}")
@@ -123,28 +132,11 @@ def canonical_mixer_backend(spelling: str) -> str:
 
 
 def choose_mixer_kernel(op: str, requested: str, device: torch.device, dtype: torch.dtype, dims: MixerDims) -> MixerKernelRecord:
-    """The kernel of `op` for one call: `requested` if it can run it (else a clear error), or for `auto`
-    the first record by `auto_priority` whose check passes."""
-    if requested != "auto":
-        record = _RECORDS.get((op, requested))
-        if record is None:
-            have = [name for o, name in _RECORDS if o == op]
-            raise ValueError(f"mixer_backend={requested!r} has no {op} kernel; available: {', '.join(have)}")
-        reason = record.check(device, dtype, dims)
-        if reason is not None:
-            raise ValueError(f"mixer_backend={requested!r} cannot run {op} here: {reason}")
-        return record
-    ranked = sorted((r for (o, _), r in _RECORDS.items() if o == op and r.auto_priority is not None),
-                    key=lambda r: r.auto_priority)
-    reasons = []
-    for record in ranked:
-        reason = record.check(device, dtype, dims)
-        if reason is None:
-            return record
-        reasons.append(f"{record.name}: {reason}")
-    raise ValueError(f"mixer_backend='auto' found no {op} kernel on {device}: {'; '.join(reasons)}")
+    """The kernel of `op` for one call: `requested` if it can run it, or for `auto` the first record by
+    `auto_priority` that can; `UnavailableError` saying why otherwise."""
+    return _KERNELS[op].choose(requested, lambda r: r.check(device, dtype, dims), what=op, where=f"on {device}")
 
 
 def mixer_refusals(op: str, device: torch.device, dtype: torch.dtype, dims: MixerDims) -> dict[str, str | None]:
     """Every kernel of `op` and why it cannot run such a call (None: it can); for logs and docs."""
-    return {name: r.check(device, dtype, dims) for (o, name), r in _RECORDS.items() if o == op}
+    return _KERNELS[op].refusals(lambda r: r.check(device, dtype, dims))

@@ -1,4 +1,4 @@
-"""Kernels of Mamba2's chunked SSD scan over the runs of a `RunTable` (`mixer_registry`).
+"""Kernels of Mamba2's chunked SSD scan over the runs of a `RunTable` (`registry`).
 
 Per head h: S_t = exp(dt_t·A_h)·S_{t-1} + dt_t·x_t ⊗ B_t and y_t = S_t·C_t + D_h·x_t, the state
 zero at every run's first row. Every kernel takes `dt` already through the layer's bias,
@@ -6,10 +6,8 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
 
 - `torch`: Transformers' own `mamba2_chunk_scan` of the model's family (passed in as
   `torch_scan`, so the stock model and ours compute alike), batched as the torch delta rule
-  batches its runs (`delta_rule.run_in_buckets`: one gather in, one gather out, runs of similar
+  batches its runs (`buckets.run_in_buckets`: one gather in, one gather out, runs of similar
   length in one call, zero rows at each run's end), so the cost grows linearly with the runs.
-- `mamba_ssm`: mamba-ssm's Triton `mamba_chunk_scan_combined` with `seq_idx`, refused until it is
-  verified on a GPU (`MAMBA_SSM_VERIFIED`, empty: docs/models.md).
 - `fla`: the same scan as flash-linear-attention's varlen `chunk_gla`, its log-decay per key channel
   set to SSD's one per head and row, taken where it was verified on a GPU (`FLA_SSD_VERIFIED`).
   `chunk_simple_gla` takes a scalar decay as is, but on Hopper fla 0.6.0 raises in its backward with
@@ -19,16 +17,11 @@ softplus and clamp, so that a zero row (dt = 0, x = 0) leaves the state unchange
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from .delta_rule import fla_unverified_reason, run_in_buckets, torch_check
-from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
-
-# Where mamba-ssm's chunked scan was checked forward and backward against a float64 reference:
-# (compute capability major, dtype). Empty: not yet verified anywhere.
-MAMBA_SSM_VERIFIED: frozenset[tuple[int, torch.dtype]] = frozenset()
+from .buckets import run_in_buckets
+from .fla import fla_unverified_reason
+from .registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel, runs_anywhere
 
 
 def torch_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
@@ -49,50 +42,7 @@ def torch_ssd_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, outpu
                           initial_state, output_final_state, touch=(A, D))
 
 
-TORCH = register_mixer_kernel(MixerKernelRecord("torch", "ssd_scan", torch_ssd_scan, torch_check, auto_priority=10))
-
-
-# --------------------------------------------------------------------------- mamba-ssm
-
-
-def mamba_ssm_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    if device.type != "cuda":
-        return f"mamba-ssm needs a CUDA device; got {device.type}"
-    if importlib.util.find_spec("mamba_ssm") is None:
-        return "mamba-ssm is not installed"
-    major = torch.cuda.get_device_capability(device)[0]
-    if (major, dtype) not in MAMBA_SSM_VERIFIED:
-        return f"mamba-ssm's chunked scan was not verified for compute capability {major}.x and {dtype} (verified: nowhere yet)"
-    return None
-
-
-def _seq_idx(table: RunTable) -> torch.Tensor:
-    """`[1, T]` int32: each row's run, as mamba-ssm's `seq_idx` (cached per table)."""
-    def build():
-        runs = table.runs
-        ids = torch.repeat_interleave(torch.arange(runs.lengths.numel(), dtype=torch.int32), runs.lengths)
-        return ids[None].to(table.cu_seqlens.device)
-
-    return table.cached("seq_idx", build)
-
-
-def mamba_ssm_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False,
-                   torch_scan=None, chunk_size: int = 256):
-    """mamba-ssm's chunked scan over every run of `table` (`seq_idx`; one final state per run)."""
-    del torch_scan
-    from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-
-    if initial_state is not None:
-        raise ValueError("mamba_ssm_scan: initial states per run are not supported; state passing adds them")
-    result = mamba_chunk_scan_combined(
-        x[None], dt[None], A, B[None], C[None], chunk_size, D=D, seq_idx=_seq_idx(table),
-        cu_seqlens=table.cu_seqlens if output_final_state else None, return_varlen_states=output_final_state,
-    )
-    out, final = (result[0][0], result[1].float()) if output_final_state else (result[0], None)
-    return out * table.row_is_document[:, None, None].to(out.dtype), final
-
-
-MAMBA_SSM = register_mixer_kernel(MixerKernelRecord("mamba_ssm", "ssd_scan", mamba_ssm_scan, mamba_ssm_check, auto_priority=0))
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "ssd_scan", torch_ssd_scan, runs_anywhere, auto_priority=10))
 
 
 # --------------------------------------------------------------------------- flash-linear-attention

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from .delta_rule import fla_unverified_reason, torch_check, torch_delta_rule
-from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
+from .delta_rule import torch_delta_rule
+from .fla import fla_unverified_reason
+from .registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel, runs_anywhere
 
 # Where fla's chunk_kda was checked forward and backward against the torch rule in fp32
 # (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv), with states),
@@ -26,7 +27,7 @@ FLA_KDA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = fr
     (9, torch.bfloat16, (128, 128), True),
 })
 
-TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule, torch_check, auto_priority=10))
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "kda", torch_delta_rule, runs_anywhere, auto_priority=10))
 
 
 def fla_kda_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:

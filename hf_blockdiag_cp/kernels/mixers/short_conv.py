@@ -1,4 +1,4 @@
-"""Kernels of the short depthwise causal convolution over the runs of a `RunTable` (`mixer_registry`):
+"""Kernels of the short depthwise causal convolution over the runs of a `RunTable` (`registry`):
 out[t] = act(bias + sum_j weight[:, W-1-j] · x[t-j]) over the j <= t's offset in its run, as
 Transformers' `causal_conv1d_fn` computes it on each document alone.
 
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from .delta_rule import fla_unverified_reason
-from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
+from .fla import fla_unverified_reason
+from .registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel, runs_anywhere
 
 # Where fla's convolution was checked forward and backward against a float64 reference
 # (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype).
@@ -47,11 +47,7 @@ def torch_short_conv(x: torch.Tensor, weight: torch.Tensor, bias, activation: st
     return out.to(x.dtype)
 
 
-def torch_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:
-    return None
-
-
-TORCH = register_mixer_kernel(MixerKernelRecord("torch", "short_conv", torch_short_conv, torch_check, auto_priority=10))
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "short_conv", torch_short_conv, runs_anywhere, auto_priority=10))
 
 
 def fla_conv_check(device: torch.device, dtype: torch.dtype, dims: MixerDims) -> str | None:

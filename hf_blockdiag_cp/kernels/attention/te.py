@@ -15,17 +15,13 @@ import inspect
 
 import torch
 
+from ...registry import optional_import
 from .registry import KernelRecord, half_precision_cuda_reason, register_kernel
 
 
-@functools.cache
 def _te_module():
     """`transformer_engine.pytorch`, or None when it does not import (not installed, no CUDA build)."""
-    try:
-        import transformer_engine.pytorch as te
-    except Exception:  # noqa: BLE001 - any import failure means the backend is unavailable
-        return None
-    return te
+    return optional_import("transformer_engine.pytorch")[0]
 
 
 def available() -> bool:
@@ -82,8 +78,8 @@ def te_attention_kernel(q, k, v, step, *, scale: float, sliding_window: int | No
 
 def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
     package = "Transformer Engine (transformer_engine.pytorch)"
-    if not available():
-        return f"{package} does not import in this environment (not installed, or a build without CUDA)"
+    if (error := optional_import("transformer_engine.pytorch")[1]) is not None:
+        return f"{package} does not import in this environment: {error} (the [te] extra)"
     return half_precision_cuda_reason(package, device, dtype, head_dim_k, head_dim_v)
 
 

@@ -15,18 +15,17 @@ import inspect
 
 import torch
 
+from ...registry import optional_import
 from .registry import KernelRecord, half_precision_cuda_reason, register_kernel
 
 
-@functools.cache
 def _flash_module():
     """The imported `flash_attn` package, or None when it does not import (not installed, broken build)."""
-    try:
-        import flash_attn
-        from flash_attn import flash_attn_varlen_func  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means the backend is unavailable
-        return None
-    return flash_attn
+    return optional_import("flash_attn")[0] if _varlen()[1] is None else None
+
+
+def _varlen():
+    return optional_import("flash_attn", "flash_attn_varlen_func")
 
 
 def available() -> bool:
@@ -64,8 +63,8 @@ def flash_attention_kernel(q, k, v, step, *, scale: float, sliding_window: int |
 
 def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
     package = "flash-attn (flash_attn)"
-    if not available():
-        return f"{package} does not import in this environment (not installed, or a build without CUDA)"
+    if (error := _varlen()[1]) is not None:
+        return f"{package} does not import in this environment: {error} (the [flash] extra)"
     if head_dim_k > 256:
         return f"flash-attn supports head dims up to 256, got {head_dim_k}"
     return half_precision_cuda_reason(package, device, dtype, head_dim_k, head_dim_v)

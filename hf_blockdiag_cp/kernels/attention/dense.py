@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..planning.rank_plan import dense_allowed
+from ...planning.rank_plan import dense_allowed
 from .registry import KernelRecord, register_kernel
 
 
@@ -30,7 +30,7 @@ def attention_with_features(
     return_lse: bool = False,
 ):
     """Softmax attention with the features SDPA lacks. q [H,L,Dk], k [Hkv,K,Dk], v [Hkv,K,Dv] -> [H,L,Dv]
-    (with `return_lse`, and the log-sum-exp [H,L] of the scores, sinks included, `kernels.lse`).
+    (with `return_lse`, and the log-sum-exp [H,L] of the scores, sinks included, `kernels.attention.lse`).
 
     `allowed` is a boolean mask broadcastable to [H,L,K] (None: every key); `bias` an additive
     float mask (the eager convention). Query head h reads key head h // (H // Hkv), as
@@ -94,7 +94,7 @@ def dense_attention(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
 ):
-    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv] (with `return_lse`, and lse [L,H], `kernels.lse`).
+    """q [L,H,Dk], k [K,Hkv,Dk], v [K,Hkv,Dv] -> [L,H,Dv] (with `return_lse`, and lse [L,H], `kernels.attention.lse`).
 
     The mask comes from pack positions and segments, so a plan that is not causal (every key
     before its run's queries) needs nothing else."""

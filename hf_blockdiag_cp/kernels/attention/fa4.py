@@ -15,10 +15,10 @@ at head dim 16 the backward was silently wrong, so nothing outside the list runs
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
+from ...registry import optional_import
 from .registry import HALF, KernelRecord, calibrated_cost, register_kernel
 
 # (Dk, Dv) pairs whose forward and backward matched an fp32 reference on the H200 (docs/kernels.md).
@@ -29,14 +29,9 @@ LSE_VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128)})
 SUPPORTED_ARCH_MAJOR = (9, 10)  # SM90 (Hopper), SM100 (Blackwell)
 
 
-@functools.cache
 def _varlen_func():
     """`flash_attn.cute.flash_attn_varlen_func`, or None when flash-attn-4 does not import here."""
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-    except Exception:  # noqa: BLE001 - any import failure (no package, no CUDA DSL) means unavailable
-        return None
-    return flash_attn_varlen_func
+    return optional_import("flash_attn.cute", "flash_attn_varlen_func")[0]
 
 
 def available() -> bool:
@@ -75,8 +70,9 @@ def fa4_attention_kernel(
 
 
 def _check(device: torch.device, dtype: torch.dtype, head_dim_k: int, head_dim_v: int) -> str | None:
-    if not available():
-        return "flash-attn-4 (flash_attn.cute) does not import in this environment (install the [fa4] extra)"
+    error = optional_import("flash_attn.cute", "flash_attn_varlen_func")[1]
+    if error is not None:
+        return f"flash-attn-4 (flash_attn.cute) does not import in this environment: {error} (the [fa4] extra)"
     if device.type != "cuda":
         return "flash-attn-4 needs a CUDA device"
     major, minor = torch.cuda.get_device_capability(device)

@@ -1,4 +1,4 @@
-"""Kernels of Mamba1's selective scan over the runs of a `RunTable` (`mixer_registry`, op
+"""Kernels of Mamba1's selective scan over the runs of a `RunTable` (`registry`, op
 `selective_scan`).
 
 Per channel d and state entry n: S_t[d, n] = exp(dt_t[d]·A[d, n])·S_{t-1}[d, n] + dt_t[d]·x_t[d]·B_t[n]
@@ -8,7 +8,7 @@ and softplus, so that a zero row (dt = 0, x = 0) leaves the state unchanged.
 
 - `torch`: Transformers' own `mamba_selective_scan` of the model's family (passed in as
   `torch_scan`: the stock model and ours compute alike), batched as the torch delta rule batches
-  its runs (`delta_rule.run_in_buckets`), so the cost grows linearly with the runs. mamba-ssm's
+  its runs (`buckets.run_in_buckets`), so the cost grows linearly with the runs. mamba-ssm's
   `selective_scan_fn` takes no document boundaries, so there is no fast record.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .delta_rule import run_in_buckets, torch_check
-from .mixer_registry import MixerKernelRecord, RunTable, register_mixer_kernel
+from .buckets import run_in_buckets
+from .registry import MixerKernelRecord, RunTable, register_mixer_kernel, runs_anywhere
 
 
 def torch_selective_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None, output_final_state=False, torch_scan=None):
@@ -37,4 +37,4 @@ def torch_selective_scan(x, dt, A, B, C, D, table: RunTable, initial_state=None,
                           touch=(A, D))
 
 
-TORCH = register_mixer_kernel(MixerKernelRecord("torch", "selective_scan", torch_selective_scan, torch_check, auto_priority=10))
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "selective_scan", torch_selective_scan, runs_anywhere, auto_priority=10))

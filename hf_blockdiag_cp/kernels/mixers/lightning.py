@@ -9,7 +9,7 @@ given. The transition of a run of n rows is λ_h^n·I, which is what state passi
   forward computes it): within a block (q kᵀ ⊙ decay) v, across blocks q·S carried from the blocks
   before. It carries the state's decay as a log-decay per row, -slope on the run's rows and 0 on the
   zero rows that pad each run to its bucket, so padding leaves the final state unchanged; runs are
-  batched as the torch delta rule batches them (`delta_rule.run_in_buckets`), so the cost grows
+  batched as the torch delta rule batches them (`buckets.run_in_buckets`), so the cost grows
   linearly with the runs. fp32 inside; outputs in the values' dtype.
 
 - `fla`: flash-linear-attention's varlen `chunk_simple_gla` with a constant log-decay per head
@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .delta_rule import fla_unverified_reason, run_in_buckets, torch_check
-from .mixer_registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel
+from .buckets import run_in_buckets
+from .fla import fla_unverified_reason
+from .registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_kernel, runs_anywhere
 
 
 def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ def torch_lightning_attention(q, k, v, slope, table: RunTable, initial_state=Non
                           initial_state, output_final_state)
 
 
-TORCH = register_mixer_kernel(MixerKernelRecord("torch", "lightning_attention", torch_lightning_attention, torch_check,
+TORCH = register_mixer_kernel(MixerKernelRecord("torch", "lightning_attention", torch_lightning_attention, runs_anywhere,
                                                 auto_priority=10))
 
 
