@@ -1,4 +1,4 @@
-"""The needed-key gather, fwd + bwd, with level-wise gradients (`attention.entry.needed_keys`) against
+"""The needed-key gather, fwd + bwd, with level-wise gradients (`attention.dispatch.needed_keys`) against
 `index_select`'s autograd (an `index_add_` over repeated rows), on the `bench ranks` scenarios'
 balanced layouts (a2a key buffers) and the all-gather's; both timed in the same run, taking turns.
 
@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from hf_blockdiag_cp.attention.entry import needed_keys
+from hf_blockdiag_cp.attention.dispatch import needed_keys
 from hf_blockdiag_cp.bench.common import document_ids_for, environment, markdown_table, time_queued, write_json
 from hf_blockdiag_cp.bench.ranks import scenario_lengths
 from hf_blockdiag_cp.kernels import calibrated_cost

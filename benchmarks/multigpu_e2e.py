@@ -178,7 +178,7 @@ def _peer_failed(raw: Path, job: dict, rank: int) -> bool:
 
 
 def _kernel_name(step: CPStep, model) -> str:
-    """The kernel `auto` resolves to for this model's attention layers (as attention.entry chooses it)."""
+    """The kernel `auto` resolves to for this model's attention layers (as attention.dispatch chooses it)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     dtype = next(model.parameters()).dtype

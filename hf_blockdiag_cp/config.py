@@ -4,8 +4,8 @@ Users name kernels and exchanges in many spellings (`flash_attn`, `FA2`, `all-ga
 a `CPConfig` holds only the canonical names, which come from the records (kernels:
 `kernels.attention.registry`; exchanges: `planning.exchange_registry`, registered by `comm.exchanges`).
 `make_cp_blockdiag_batch_and_ctx(..., config=CPConfig(...))` uses the given object; without
-one it uses the process default, which `configure_cp` (seed name `configure_cp_varlen`) sets.
-Nothing else configures a step.
+one it uses the process default, which `configure_cp` sets (also importable as
+`configure_cp_varlen`, its first name). Nothing else configures a step.
 """
 
 from __future__ import annotations
@@ -157,4 +157,4 @@ def configure_cp(
     return _DEFAULT
 
 
-configure_cp_varlen = configure_cp  # the seed's name (it sets more than the varlen kernel)
+configure_cp_varlen = configure_cp  # its first name (it sets more than the varlen kernel)

@@ -20,27 +20,16 @@ stock forward; a fresh cache is left unwritten by the packed path.
 
 from __future__ import annotations
 
-import inspect
-import sys
-
 import torch
 
 from hf_blockdiag_cp.mixers import GatedDeltaLayer, HeadDecay, gated_delta_mix
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-from .packed_mixer import install, mix_documents, packed_forward, stock_torch_kernels  # noqa: F401 (re-exported)
-from .registry import ModelPatch, register_patch
+from .packed_mixer import family_function, layer_name, register_mixer_patch, stock_torch_kernels  # noqa: F401 (re-exported)
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid")
 _PARAMETERS = ("conv1d", "A_log", "dt_bias")
 _VISION_INPUTS = ("pixel_values", "pixel_values_videos", "mm_encoder_outputs")
-
-
-def has_linear_layers(config) -> bool:
-    """Whether the (text) config has gated delta-rule layers (unknown layer types: assume so)."""
-    text = getattr(config, "text_config", None) or config
-    layer_types = getattr(text, "layer_types", None)
-    return layer_types is None or "linear_attention" in layer_types
 
 
 def _norm_and_out(module):
@@ -55,26 +44,14 @@ def is_gated_delta_net(module: torch.nn.Module) -> bool:
             and (all(hasattr(module, p) for p in ("norm", "out_proj")) or all(hasattr(module, p) for p in ("o_norm", "o_proj"))))
 
 
-def family_function(module, name: str):
-    """Transformers' torch function `name` of the module's family (its chunked rule), never a hub/fla replacement."""
-    fn = getattr(sys.modules[type(module).__module__], name, None)
-    if fn is None:
-        raise RuntimeError(f"model_patches: {type(module).__module__} has no {name}")
-    return inspect.unwrap(fn)
-
-
-def _torch_rule(module):
-    return family_function(module, "torch_chunk_gated_delta_rule")
-
-
 def mixer_layer(module) -> GatedDeltaLayer:
     """What the token mixer reads of a GatedDeltaNet module (its parameters, not copies)."""
     return GatedDeltaLayer(
-        name=f"{type(module).__name__} (layer {module.layer_idx})", key_heads=module.num_k_heads,
+        name=layer_name(module), key_heads=module.num_k_heads,
         key_dim=module.head_k_dim, value_heads=module.num_v_heads, value_dim=module.head_v_dim,
         conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=module.activation,
         gates=HeadDecay(module.A_log, module.dt_bias, 2.0 if getattr(module, "allow_neg_eigval", False) else 1.0),
-        torch_rule=_torch_rule(module),
+        torch_rule=family_function(module, "torch_chunk_gated_delta_rule"),
     )
 
 
@@ -96,26 +73,15 @@ def input_projections(module, hidden: torch.Tensor):
     return mixed[0], z[0], b[0], a[0]
 
 
-# --------------------------------------------------------------------------- the patched forward
-
-
-def delta_rule_documents(module, mixed, b, a, context) -> torch.Tensor:
-    """The delta-rule mixer of `module` (its `mixer_layer`) over the pack's documents."""
-    return gated_delta_mix(mixer_layer(module), mixed, b, a, context)
-
-
-@packed_forward
-def forward_packed(self, step, x, kwargs):
-    """GatedDeltaNet forward that keeps the documents of a packed row apart (see the module docstring)."""
+def forward_rows(self, x, mix, kwargs):
+    """GatedDeltaNet on one packed row `x [L, D]`: the stock projections, the delta-rule mixer per
+    document, the gated norm and the output projection."""
     rows = x.shape[0]
     mixed, z, b, a = input_projections(self, x)
-    core = mix_documents(delta_rule_documents, self, step, kwargs, rows, mixed, b, a)
+    core = mix(mixed, b, a)
     norm, out_proj = _norm_and_out(self)
     core = norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
     return out_proj(core.reshape(1, rows, -1))
-
-
-# --------------------------------------------------------------------------- installing it
 
 
 def _refuse_vision_in_step(module, args, kwargs):
@@ -128,21 +94,17 @@ def _refuse_vision_in_step(module, args, kwargs):
     return None
 
 
-def apply(model: torch.nn.Module) -> None:
+def _hook_vision_models(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "visual") and hasattr(module, "language_model"):
             module.register_forward_pre_hook(_refuse_vision_in_step, with_kwargs=True)
-    install(model, is_gated_delta_net, forward_packed,
-            f"model_patches.gated_delta: no GatedDeltaNet layer with {', '.join(_PARAMETERS)}, a gated norm and an output projection",
-            check=_torch_rule)
 
 
-PATCH = register_patch(
-    ModelPatch(
-        name="gated_delta_packed",
-        model_types=MODEL_TYPES,
-        needed=has_linear_layers,
-        apply=apply,
-        why="gated delta-rule layers (convolution and recurrence) must restart at every document and see the whole pack",
-    )
+PATCH = register_mixer_patch(
+    "gated_delta_packed", MODEL_TYPES, layer_types=("linear_attention",), is_layer=is_gated_delta_net,
+    layer=f"GatedDeltaNet layer with {', '.join(_PARAMETERS)}, a gated norm and an output projection",
+    mixer_layer=mixer_layer, mix=gated_delta_mix, forward=forward_rows, torch_function="torch_chunk_gated_delta_rule",
+    prepare=_hook_vision_models,
+    why="gated delta-rule layers (convolution and recurrence) must restart at every document and see the whole pack",
 )
+apply = PATCH.apply

@@ -22,9 +22,7 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.mixers import GatedDeltaLayer, gated_delta_mix
 
-from .gated_delta import family_function, has_linear_layers
-from .packed_mixer import install, mix_documents, packed_forward
-from .registry import ModelPatch, register_patch
+from .packed_mixer import family_function, layer_name, register_mixer_patch
 
 MODEL_TYPES = ("kimi_linear", "bailing_hybrid")
 
@@ -81,17 +79,13 @@ def _decay(module):
     return KimiDecay(gate.A_log, gate.dt_bias, module.head_dim)
 
 
-def _torch_rule(module):
-    return family_function(module, "chunk_kimi_delta_attention")
-
-
 def mixer_layer(module) -> GatedDeltaLayer:
     """What the token mixer reads of a DeltaAttention module (its parameters, not copies)."""
     heads, dim = module.num_heads, module.head_dim
     return GatedDeltaLayer(
-        name=f"{type(module).__name__} (layer {module.layer_idx})", key_heads=heads, key_dim=dim, value_heads=heads,
+        name=layer_name(module), key_heads=heads, key_dim=dim, value_heads=heads,
         value_dim=dim, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias,
-        activation=module.activation, gates=_decay(module), torch_rule=_torch_rule(module), op="kda", gate_width=dim,
+        activation=module.activation, gates=_decay(module), torch_rule=family_function(module, "chunk_kimi_delta_attention"), op="kda", gate_width=dim,
     )
 
 
@@ -105,30 +99,18 @@ def input_projections(module, x: torch.Tensor):
     return mixed, out_gate.view(x.shape[0], -1, module.head_dim), module.b_proj(x), a
 
 
-def kda_documents(module, mixed, b, a, context) -> torch.Tensor:
-    """The KDA mixer of `module` (its `mixer_layer`) over the pack's documents."""
-    return gated_delta_mix(mixer_layer(module), mixed, b, a, context)
-
-
-@packed_forward
-def forward_packed(self, step, x, kwargs):
-    """DeltaAttention forward that keeps the documents of a packed row apart (see the module docstring)."""
+def forward_rows(self, x, mix, kwargs):
+    """DeltaAttention on one packed row `x [L, D]`: the stock projections, the KDA mixer per document, the
+    gated norm and the output projection."""
     rows = x.shape[0]
     mixed, out_gate, b, a = input_projections(self, x)
-    core = mix_documents(kda_documents, self, step, kwargs, rows, mixed, b, a)
+    core = mix(mixed, b, a)
     return self.o_proj(self.o_norm(core[None], out_gate[None]).reshape(1, rows, -1))
 
 
-def apply(model: torch.nn.Module) -> None:
-    install(model, is_kda_layer, forward_packed, "model_patches.kda: no KDA DeltaAttention layer", check=_torch_rule)
-
-
-PATCH = register_patch(
-    ModelPatch(
-        name="kda_packed",
-        model_types=MODEL_TYPES,
-        needed=has_linear_layers,
-        apply=apply,
-        why="KDA layers (convolution and recurrence) must restart at every document and see the whole pack",
-    )
+PATCH = register_mixer_patch(
+    "kda_packed", MODEL_TYPES, layer_types=("linear_attention",), is_layer=is_kda_layer, layer="KDA DeltaAttention layer",
+    mixer_layer=mixer_layer, mix=gated_delta_mix, forward=forward_rows, torch_function="chunk_kimi_delta_attention",
+    why="KDA layers (convolution and recurrence) must restart at every document and see the whole pack",
 )
+apply = PATCH.apply

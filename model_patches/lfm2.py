@@ -18,16 +18,9 @@ import torch
 
 from hf_blockdiag_cp.mixers import GatedConvLayer, gated_conv_mix
 
-from .packed_mixer import install, mix_documents, packed_forward
-from .registry import ModelPatch, register_patch
+from .packed_mixer import layer_name, register_mixer_patch
 
 MODEL_TYPES = ("lfm2", "lfm2_moe")
-
-
-def has_conv_layers(config) -> bool:
-    """Whether the config has short-convolution layers (unknown layer types: assume so)."""
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is None or "conv" in layer_types
 
 
 def is_short_conv(module: torch.nn.Module) -> bool:
@@ -36,33 +29,19 @@ def is_short_conv(module: torch.nn.Module) -> bool:
 
 def mixer_layer(module) -> GatedConvLayer:
     """What the token mixer reads of a ShortConv module (its parameters, not copies)."""
-    return GatedConvLayer(f"{type(module).__name__} (layer {module.layer_idx})", module.conv.weight.squeeze(1),
-                          module.conv.bias)
+    return GatedConvLayer(layer_name(module), module.conv.weight.squeeze(1), module.conv.bias)
 
 
-def conv_documents(module, x, context) -> torch.Tensor:
-    """The convolution of `module` (its `mixer_layer`) over the pack's documents."""
-    return gated_conv_mix(mixer_layer(module), x, context)
-
-
-@packed_forward
-def forward_packed(self, step, x, kwargs):
-    """ShortConv forward that keeps the documents of a packed row apart (see the module docstring)."""
+def forward_rows(self, x, mix, kwargs):
+    """ShortConv on one packed row `x [L, D]`: the stock gates around the convolution per document."""
     gate_in, gate_out, values = self.in_proj(x).chunk(3, dim=-1)
-    mixed = mix_documents(conv_documents, self, step, kwargs, x.shape[0], gate_in * values)
-    return self.out_proj(gate_out * mixed)[None]
+    return self.out_proj(gate_out * mix(gate_in * values))[None]
 
 
-def apply(model: torch.nn.Module) -> None:
-    install(model, is_short_conv, forward_packed, "model_patches.lfm2: no ShortConv layer with conv, in_proj and out_proj")
-
-
-PATCH = register_patch(
-    ModelPatch(
-        name="short_conv_packed",
-        model_types=MODEL_TYPES,
-        needed=has_conv_layers,
-        apply=apply,
-        why="short gated convolution layers must restart at every document and see the rows before their shard",
-    )
+PATCH = register_mixer_patch(
+    "short_conv_packed", MODEL_TYPES, layer_types=("conv",), is_layer=is_short_conv,
+    layer="ShortConv layer with conv, in_proj and out_proj", mixer_layer=mixer_layer, mix=gated_conv_mix,
+    forward=forward_rows,
+    why="short gated convolution layers must restart at every document and see the rows before their shard",
 )
+apply = PATCH.apply

@@ -23,10 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_blockdiag_cp.mixers.selective_scan import SelectiveScanLayer, selective_scan_mix
-from .gated_delta import family_function
-from .mamba2 import has_mamba_layers
-from .packed_mixer import install, mix_documents, packed_forward
-from .registry import ModelPatch, register_patch
+from .packed_mixer import family_function, layer_name, register_mixer_patch
 
 MODEL_TYPES = ("mamba", "falcon_mamba", "jamba")
 _ATTRIBUTES = ("in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "intermediate_size",
@@ -39,17 +36,13 @@ def is_selective_scan_mixer(module: torch.nn.Module) -> bool:
             and hasattr(sys.modules[type(module).__module__], "mamba_selective_scan"))
 
 
-def _torch_scan(module):
-    return family_function(module, "mamba_selective_scan")
-
-
 def mixer_layer(module) -> SelectiveScanLayer:
     """What the token mixer reads of a Mamba1 mixer module (its parameters, not copies)."""
     return SelectiveScanLayer(
-        name=f"{type(module).__name__} (layer {module.layer_idx})", channels=module.intermediate_size,
+        name=layer_name(module), channels=module.intermediate_size,
         state_size=module.ssm_state_size, conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias,
         activation=module.activation, A_log=module.A_log, D=module.D, dt_bias=module.dt_proj.bias,
-        torch_scan=_torch_scan(module),
+        torch_scan=family_function(module, "mamba_selective_scan"),
     )
 
 
@@ -66,31 +59,24 @@ def _time_step_b_c(module, xc: torch.Tensor):
     return dt[0], B[0], C[0]
 
 
-def scan_documents(module, x, context) -> torch.Tensor:
-    """The convolution and selective scan of `module` (its `mixer_layer`) over the pack's documents."""
-    return selective_scan_mix(mixer_layer(module), x, lambda xc: _time_step_b_c(module, xc), context)
+def _mix(layer: SelectiveScanLayer, x, module, context) -> torch.Tensor:
+    """The convolution and selective scan of one layer over the pack's documents."""
+    return selective_scan_mix(layer, x, lambda xc: _time_step_b_c(module, xc), context)
 
 
-@packed_forward
-def forward_packed(self, step, x, kwargs):
-    """Mamba1 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
-    rows, dtype = x.shape[0], x.dtype
+def forward_rows(self, x, mix, kwargs):
+    """Mamba1 mixer on one packed row `x [L, D]`: the stock projection, the convolution and selective scan
+    per document, the SiLU gate and the output projection."""
+    dtype = x.dtype
     x, gate = self.in_proj(x[None])[0].chunk(2, dim=-1)
-    scan = mix_documents(scan_documents, self, step, kwargs, rows, x) * F.silu(gate)
+    scan = mix(x, self) * F.silu(gate)
     return self.out_proj(scan[None].to(dtype))
 
 
-def apply(model: torch.nn.Module) -> None:
-    install(model, is_selective_scan_mixer, forward_packed,
-            f"model_patches.mamba1: no Mamba1 mixer with {', '.join(_ATTRIBUTES)}", check=_torch_scan)
-
-
-PATCH = register_patch(
-    ModelPatch(
-        name="mamba1_packed",
-        model_types=MODEL_TYPES,
-        needed=has_mamba_layers,
-        apply=apply,
-        why="Mamba1 layers (convolution and selective scan) must restart at every document and see the whole pack",
-    )
+PATCH = register_mixer_patch(
+    "mamba1_packed", MODEL_TYPES, layer_types=("linear_attention", "hybrid"), is_layer=is_selective_scan_mixer,
+    layer=f"Mamba1 mixer with {', '.join(_ATTRIBUTES)}", mixer_layer=mixer_layer, mix=_mix, forward=forward_rows,
+    torch_function="mamba_selective_scan",
+    why="Mamba1 layers (convolution and selective scan) must restart at every document and see the whole pack",
 )
+apply = PATCH.apply

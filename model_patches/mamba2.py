@@ -25,20 +25,12 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.mixers.ssd import SsdLayer, ssd_mix
 
-from .gated_delta import family_function
-from .packed_mixer import install, mix_documents, packed_forward
-from .registry import ModelPatch, register_patch
+from .packed_mixer import family_function, layer_name, register_mixer_patch
 
 MODEL_TYPES = ("mamba2", "nemotron_h", "granitemoehybrid", "bamba", "falcon_h1", "zamba2")
 _ATTRIBUTES = ("in_proj", "conv1d", "A_log", "dt_bias", "D", "norm", "out_proj", "num_heads", "head_dim", "n_groups",
                "ssm_state_size", "chunk_size", "time_step_limit", "intermediate_size", "conv_dim")
-_MIXER_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba mixer
-
-
-def has_mamba_layers(config) -> bool:
-    """Whether the config has Mamba (Mamba1 or Mamba2) layers (no layer types: assume so)."""
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is None or any(t in _MIXER_LAYER_TYPES for t in layer_types)
+MAMBA_LAYER_TYPES = ("linear_attention", "hybrid")  # config.layer_types entries with a Mamba (1 or 2) mixer
 
 
 def is_ssd_mixer(module: torch.nn.Module) -> bool:
@@ -46,18 +38,14 @@ def is_ssd_mixer(module: torch.nn.Module) -> bool:
     return all(hasattr(module, a) for a in _ATTRIBUTES) and hasattr(sys.modules[type(module).__module__], "mamba2_chunk_scan")
 
 
-def _torch_scan(module):
-    return family_function(module, "mamba2_chunk_scan")
-
-
 def mixer_layer(module) -> SsdLayer:
     """What the token mixer reads of a Mamba2 mixer module (its parameters, not copies)."""
     return SsdLayer(
-        name=f"{type(module).__name__} (layer {module.layer_idx})", heads=module.num_heads, head_dim=module.head_dim,
+        name=layer_name(module), heads=module.num_heads, head_dim=module.head_dim,
         groups=module.n_groups, state_size=module.ssm_state_size, chunk_size=module.chunk_size,
         conv_weight=module.conv1d.weight.squeeze(1), conv_bias=module.conv1d.bias, activation=module.activation,
         A_log=module.A_log, dt_bias=module.dt_bias, D=module.D, time_step_limit=tuple(module.time_step_limit),
-        torch_scan=_torch_scan(module),
+        torch_scan=family_function(module, "mamba2_chunk_scan"),
     )
 
 
@@ -73,17 +61,12 @@ def input_projections(module, hidden: torch.Tensor):
     return projected[0].split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
 
 
-def scan_documents(module, xbc, dt, context) -> torch.Tensor:
-    """The convolution and SSD scan of `module` (its `mixer_layer`) over the pack's documents."""
-    return ssd_mix(mixer_layer(module), xbc, dt, context)
-
-
-@packed_forward
-def forward_packed(self, step, x, kwargs):
-    """Mamba2 mixer forward that keeps the documents of a packed row apart (see the module docstring)."""
+def forward_rows(self, x, mix, kwargs):
+    """Mamba2 mixer on one packed row `x [L, D]`: the stock projections, the convolution and SSD scan per
+    document, the gated norm (or FalconH1's plain SiLU gate) and the output projection."""
     rows, dtype = x.shape[0], x.dtype
     gate, xbc, dt = input_projections(self, x)
-    scan = mix_documents(scan_documents, self, step, kwargs, rows, xbc, dt).reshape(1, rows, -1)
+    scan = mix(xbc, dt).reshape(1, rows, -1)
     if getattr(self, "mamba_rms_norm", True):
         scan = self.norm(scan, gate[None])
     else:  # FalconH1 without its gated norm
@@ -91,17 +74,10 @@ def forward_packed(self, step, x, kwargs):
     return self.out_proj(scan.to(dtype))
 
 
-def apply(model: torch.nn.Module) -> None:
-    install(model, is_ssd_mixer, forward_packed, f"model_patches.mamba2: no Mamba2 mixer with {', '.join(_ATTRIBUTES)}",
-            check=_torch_scan)
-
-
-PATCH = register_patch(
-    ModelPatch(
-        name="mamba2_packed",
-        model_types=MODEL_TYPES,
-        needed=has_mamba_layers,
-        apply=apply,
-        why="Mamba2 layers (convolution and SSD scan) must restart at every document and see the whole pack",
-    )
+PATCH = register_mixer_patch(
+    "mamba2_packed", MODEL_TYPES, layer_types=MAMBA_LAYER_TYPES, is_layer=is_ssd_mixer,
+    layer=f"Mamba2 mixer with {', '.join(_ATTRIBUTES)}", mixer_layer=mixer_layer, mix=ssd_mix, forward=forward_rows,
+    torch_function="mamba2_chunk_scan",
+    why="Mamba2 layers (convolution and SSD scan) must restart at every document and see the whole pack",
 )
+apply = PATCH.apply

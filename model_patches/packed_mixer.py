@@ -1,5 +1,10 @@
-"""What every recurrent token-mixer patch does around its mixer: when the packed path runs, which
-context it runs in, and how the patched forward is installed.
+"""What every recurrent token-mixer patch does around its mixer, and its one declaration.
+
+A family module declares its patch with `register_mixer_patch`: the model types, the config's layer
+types that hold such a mixer, how to recognise the layer, what the token mixer reads of it
+(`mixer_layer`), the mixer (`mix`), and the rows forward between the stock projections (`forward`).
+Everything else is here: when the packed path runs, which context it runs in, the check that the
+family's own torch function exists, and how the patched forward is installed.
 
 A patched mixer layer (gated delta rule, KDA, short gated convolution, Mamba) runs its stock forward
 outside a CP step unless the caller passes `cu_seq_lens_q` (a packed row without CP), and always
@@ -11,10 +16,10 @@ forward does, and mixes per document in the step's `MixerContext`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import sys
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -22,7 +27,7 @@ from hf_blockdiag_cp.mixers import MixerContext
 from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
 from hf_blockdiag_cp.step.state import STEP_KWARG, active_step
 
-from .registry import bind_forward
+from .registry import ModelPatch, bind_forward, register_patch
 
 ATTENTION_FREE_ATTR = "_blockdiag_cp_attention_free"  # set on the mixers of a model without attention layers
 # the class names of the patched mixer layers (the last five: Mamba1's and Mamba2's in their families)
@@ -30,14 +35,29 @@ _MIXER_CLASSES = ("GatedDeltaNet", "DeltaAttention", "ShortConv", "Mamba2Mixer",
                   "MambaMixer", "MambaLayer")
 
 
-def _has_previous_state(module, cache) -> bool:
+def has_previous_state(module, cache) -> bool:
+    """Whether `cache` holds this layer's state from earlier tokens (Transformers' generic query)."""
     if cache is None:
         return False
     state = getattr(cache, "has_previous_state", False)
     return bool(state(module.layer_idx) if callable(state) else state)
 
 
-def packed_rows(module, hidden_states: torch.Tensor, args, kwargs):
+def family_function(module, name: str):
+    """Transformers' torch function `name` of the module's family (its chunked rule or scan), never a
+    hub / fla replacement."""
+    fn = getattr(sys.modules[type(module).__module__], name, None)
+    if fn is None:
+        raise RuntimeError(f"model_patches: {type(module).__module__} has no {name}")
+    return inspect.unwrap(fn)
+
+
+def layer_name(module) -> str:
+    """How messages and plans name a mixer layer: its class and index."""
+    return f"{type(module).__name__} (layer {module.layer_idx})"
+
+
+def packed_rows(module, hidden_states: torch.Tensor, args, kwargs, cached_state=has_previous_state):
     """`(step or None, rows [L, D])` when the packed path runs, None when the stock forward must."""
     step = kwargs.get(STEP_KWARG) or active_step()
     cache = kwargs.get("cache", kwargs.get("cache_params"))
@@ -45,7 +65,7 @@ def packed_rows(module, hidden_states: torch.Tensor, args, kwargs):
         return None
     if step is not None and getattr(module, ATTENTION_FREE_ATTR, False):
         step.attention_free = True  # no attention call comes in this model's step
-    if _has_previous_state(module, cache):
+    if cached_state(module, cache):
         if step is None:
             return None
         raise ValueError(f"blockdiag_cp: {type(module).__name__} cannot continue from a cache inside a CP step")
@@ -73,26 +93,80 @@ def mixer_context(module, step, kwargs, rows: int) -> MixerContext:
 
 
 @torch.compiler.disable
-def mix_documents(mix: Callable, module, step, kwargs, rows: int, *inputs) -> torch.Tensor:
-    """`mix(module, *inputs, context)`: the token mixer over the pack's documents in the step's context
-    (`mixer_context`). Eager, a graph break under `torch.compile`, so the pack's runs and the step stay
-    out of compiled graphs (no recompile per pack)."""
-    return mix(module, *inputs, mixer_context(module, step, kwargs, rows))
+def mix_documents(patch: "MixerPatch", module, step, kwargs, rows: int, *inputs) -> torch.Tensor:
+    """`patch.mix(patch.mixer_layer(module), *inputs, context)`: the token mixer over the pack's documents
+    in the step's context (`mixer_context`). Eager, a graph break under `torch.compile`, so the pack's
+    runs and the step stay out of compiled graphs (no recompile per pack)."""
+    return patch.mix(patch.mixer_layer(module), *inputs, mixer_context(module, step, kwargs, rows))
 
 
-def packed_forward(mix_rows: Callable) -> Callable:
-    """A mixer layer's patched forward from `mix_rows(module, step, rows [L, D], kwargs) -> [1, L, D]`,
-    which runs where the packed path does (`packed_rows`); the stock forward runs elsewhere."""
+@dataclass(frozen=True)
+class MixerPatch:
+    """One family's token-mixer patch (`register_mixer_patch` says what each field is)."""
 
-    @functools.wraps(mix_rows)
-    def forward(self, hidden_states, *args, **kwargs):
-        entry = packed_rows(self, hidden_states, args, kwargs)
+    name: str
+    model_types: tuple[str, ...]
+    layer_types: tuple[str, ...]
+    is_layer: Callable[[torch.nn.Module], bool]
+    layer: str
+    mixer_layer: Callable[[torch.nn.Module], Any]
+    mix: Callable[..., torch.Tensor]
+    forward: Callable[..., Any]
+    why: str
+    torch_function: str | None = None
+    cached_state: Callable[[torch.nn.Module, Any], bool] = has_previous_state
+    prepare: Callable[[torch.nn.Module], None] | None = None
+
+    @property
+    def family(self) -> str:
+        """The family module that declared the patch (where `is_layer` lives)."""
+        return self.is_layer.__module__.rsplit(".", 1)[-1]
+
+    def needed(self, config) -> bool:
+        """Whether the (text) config has such layers (no layer types: assume so)."""
+        layer_types = getattr(getattr(config, "text_config", None) or config, "layer_types", None)
+        return layer_types is None or any(t in self.layer_types for t in layer_types)
+
+    def check(self, module) -> None:
+        """Raise now, at install, if the family's own torch function is missing."""
+        if self.torch_function is not None:
+            family_function(module, self.torch_function)
+
+    def packed_forward(self, module, hidden_states, *args, **kwargs):
+        """The patched forward: `forward(module, rows [L, D], mix, kwargs)` where the packed path runs (`packed_rows`),
+        `mix(*inputs)` the mixer over the documents; the stock forward elsewhere."""
+        entry = packed_rows(module, hidden_states, args, kwargs, self.cached_state)
         if entry is None:
-            return type(self).forward(self, hidden_states, *args, **kwargs)
+            return type(module).forward(module, hidden_states, *args, **kwargs)
         step, rows = entry
-        return mix_rows(self, step, rows, kwargs)
+        return self.forward(module, rows, lambda *inputs: mix_documents(self, module, step, kwargs, rows.shape[0], *inputs),
+                            kwargs)
 
-    return forward
+    def apply(self, model: torch.nn.Module) -> None:
+        if self.prepare is not None:
+            self.prepare(model)
+        install(model, self.is_layer, self.packed_forward, f"model_patches.{self.family}: no {self.layer}",
+                check=self.check)
+
+
+def register_mixer_patch(
+    name: str, model_types: tuple[str, ...], *, layer_types: tuple[str, ...], is_layer, layer: str, mixer_layer, mix,
+    forward, why: str, torch_function: str | None = None, cached_state=has_previous_state, prepare=None,
+) -> MixerPatch:
+    """Declare a family's token-mixer patch and register it for `model_types`.
+
+    `layer_types`: the `config.layer_types` entries that hold such a mixer; `is_layer(module)` finds the
+    layers (`layer` names them when none is found); `mixer_layer(module)` is what the mixer reads of one
+    (its parameters, not copies); `mix(mixer_layer, *inputs, context)` the token mixer of
+    `hf_blockdiag_cp.mixers`; `forward(module, rows [L, D], mix, kwargs) -> output` the layer's forward on
+    one packed row (`kwargs`: the layer's), calling `mix(*inputs)` between the stock projections. `torch_function`: the family's
+    torch function the torch kernels take, checked at install; `cached_state(module, cache)`: whether a
+    cache holds the layer's earlier state (generation: stock outside a step, refused inside one);
+    `prepare(model)`: anything else the model needs before the layers are patched."""
+    patch = MixerPatch(name, tuple(model_types), tuple(layer_types), is_layer, layer, mixer_layer, mix, forward, why,
+                       torch_function, cached_state, prepare)
+    register_patch(ModelPatch(name=name, model_types=patch.model_types, needed=patch.needed, apply=patch.apply, why=why))
+    return patch
 
 
 def install(model: torch.nn.Module, is_layer: Callable[[torch.nn.Module], bool], forward: Callable,

@@ -1,297 +1,20 @@
 """Attention entry points: the Transformers attention function and an SDPA drop-in.
 
-During a CP step every causal softmax-attention call runs: K/V exchange over the CP group,
-then the local kernel over this rank's queries and the keys they need (with `CPConfig.overlap`,
-what the rank holds is attended while the exchange runs: split by queries or by keys); or, with a head-parallel
-exchange (`heads`), q, k, v to head shards, the kernel over the whole pack for this rank's heads,
-and the outputs back. Outside a step both entry points are exactly Transformers' `sdpa` /
-`F.scaled_dot_product_attention` (I8).
+During a CP step every causal softmax-attention call is checked (`features`) and dispatched to the
+step's exchange and kernel (`dispatch`). Outside a step both entry points are exactly
+Transformers' `sdpa` / `F.scaled_dot_product_attention` (I8).
 """
 
 from __future__ import annotations
-
-import logging
-from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..comm.exchange import exchange_kv
-from ..comm.notice import warn_once
-from ..kernels import choose_kernel
-from ..kernels.attention.dense import attention_with_features
-from ..planning import get_exchange
 from ..step.model_support import check_model_support
-from ..step.state import STEP_KWARG, CPStep, StepPart, active_step
-
-logger = logging.getLogger(__name__)
-
-# Keyword arguments a model may send that change the attention function and that no kernel
-# implements; accepting them silently would train a wrong model (I7).
-_UNSUPPORTED_FEATURES = {
-    "position_bias": "an additive position bias (T5-style relative attention bias)",
-    "sinks": "per-token attention sinks (a sink logit per query)",
-    "indices": "sparse attention indices (DeepSeek-V3.2-style indexer)",
-}
-
-
-@dataclass(frozen=True)
-class AttentionFeatures:
-    """What one attention call asks for beyond block-causal softmax; kernels must implement each."""
-
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None  # [H] one extra logit per query head (GPT-OSS `s_aux`)
-
-    @property
-    def names(self) -> frozenset[str]:
-        return frozenset(n for n, v in (("softcap", self.softcap), ("sinks", self.sinks)) if v is not None)
-
-    def kernel_kwargs(self) -> dict:
-        """Only the features in use, so kernels without them keep the plain signature."""
-        return {n: getattr(self, n) for n in sorted(self.names)}
-
-    def for_heads(self, heads: slice) -> "AttentionFeatures":
-        """The features of query heads `heads` alone (a head-parallel rank's share of the sinks)."""
-        return self if self.sinks is None else replace(self, sinks=self.sinks.reshape(-1)[heads])
-
-
-def attention_features(query: torch.Tensor, kwargs: dict) -> AttentionFeatures:
-    """Read and check `softcap` (Gemma2) and `s_aux` (GPT-OSS sinks) from an attention call's kwargs."""
-    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-            raise ValueError(f"blockdiag_cp: softcap must be a positive number or None; got {softcap!r}")
-        softcap = float(softcap)
-    if sinks is not None:
-        heads = query.shape[1]
-        if not isinstance(sinks, torch.Tensor) or sinks.numel() != heads:
-            raise ValueError(
-                f"blockdiag_cp: s_aux (attention sinks) must be a tensor with one value per query head ({heads}); "
-                f"got {tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}"
-            )
-    return AttentionFeatures(softcap, sinks)
-
-
-def _check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None:
-    for name, what in _UNSUPPORTED_FEATURES.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"blockdiag_cp: attention argument {name!r} ({what}) is not supported during a CP step; "
-                "the model would be trained with wrong attention. Use a model without it or disable CP."
-            )
-    if dropout:
-        raise NotImplementedError(
-            f"blockdiag_cp: attention dropout ({dropout}) is not supported during a CP step; set the model's "
-            "attention_dropout to 0"
-        )
-    if query.shape[0] != 1 or key.shape[0] != 1:
-        raise ValueError(f"blockdiag_cp: a CP step needs batch size 1 (one packed row); query has batch {query.shape[0]}")
-    if query.shape[2] != step.local_len or key.shape[2] != step.local_len:
-        raise ValueError(
-            f"blockdiag_cp: attention got {query.shape[2]} query and {key.shape[2]} key rows, but this rank's "
-            f"shard holds {step.local_len} tokens; feed the model the local batch from "
-            "make_cp_blockdiag_batch_and_ctx and run it with use_cache=False"
-        )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"blockdiag_cp: {query.shape[1]} query heads are not a multiple of {key.shape[1]} key heads")
-
-
-def blockdiag_attention(
-    step: CPStep,
-    query,
-    key,
-    value,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-    features: AttentionFeatures = AttentionFeatures(),
-    module=None,
-):
-    """Block-diagonal CP attention. query [1,H,L,Dk], key [1,Hkv,L,Dk], value [1,Hkv,L,Dv] -> [1,L,H,Dv]:
-    the step's K/V exchange, then the local kernel over the rows it returned; or the step's
-    head-parallel exchange around the kernel. `module` (the attention module, or None) names the call in errors."""
-    # squeeze, not [0]: a select's backward zero-fills a tensor of the input's size and copies the
-    # gradient into it (q, k, v of every layer); a squeeze's backward is a view.
-    q, k, v = (t.squeeze(0).transpose(0, 1) for t in _autocast_inputs(query, key, value))
-    record = get_exchange(step.kv_exchange)
-    if record.head_parallel:
-        out = head_parallel_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features, module=module)
-    elif step.overlap is not None and not (step.overlap.by_keys and sliding_window is not None):
-        out = overlapped_attention(step, record, q, k, v, scale=scale, sliding_window=sliding_window, features=features)
-    else:
-        ek, ev = exchange_kv(step.kv_exchange, k, v, step.group, step.world_size, routes=step.kv_routes, meter=step.exchange_bytes)
-        out = local_attention(step, q, ek, ev, scale=scale, sliding_window=sliding_window, features=features)
-    step.attention_calls += 1
-    return out.unsqueeze(0)
-
-
-def _autocast_inputs(query, key, value):
-    """q, k, v in autocast's dtype when autocast is on and they are fp32, else as given.
-
-    Under `torch.autocast` an fp32 model's rotary output is fp32, and stock SDPA (on autocast's
-    lower-precision list) and Transformers' flash attention both attend in the autocast dtype; so
-    does the step: the same numerics as the stock model, and fa4 / varlen (bf16 or fp16 only) stay
-    usable under `bf16=True` mixed precision. The exchange then moves half the bytes."""
-    device_type = query.device.type
-    if query.dtype != torch.float32 or not torch.is_autocast_enabled(device_type):
-        return query, key, value
-    dtype = torch.get_autocast_dtype(device_type)
-    return (t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
-
-
-def overlapped_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features):
-    """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv], the exchange overlapped with attention (`step.overlap`):
-    the record's `begin` starts it, `split_attention` attends while it is in flight; in backward the
-    reverse collective runs under the local part's backward."""
-    pending = record.begin(k, v, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
-    return split_attention(step, q, k, v, pending.wait, scale=scale, sliding_window=sliding_window, features=features)
-
-
-def split_attention(step: CPStep, q, k, v, wait, *, scale, sliding_window, features=AttentionFeatures()):
-    """q [L,H,Dk] against this rank's own k/v [L,Hkv,D] (the local part), then `wait(local_out)` ->
-    (exchanged k rows, exchanged v rows, local_out) and the remote part over those rows -> [L,H,Dv].
-
-    Split by queries: the queries whose keys are all local, then the others, each query whole in one
-    part; putting the parts back in order is exact. Split by keys (`by_keys`): every query over its
-    rank's own keys, then the queries with keys on other ranks over those, merged by log-sum-exp
-    (`kernels.attention.lse`); the sinks join the local part only, so they count once, and the layer has no
-    sliding window (`blockdiag_attention` runs windowed layers in order: the remote part's kernels
-    run without a causal mask, hence without a window)."""
-    split = step.overlap
-    by_keys = split.by_keys
-    lse = {"return_lse": True} if by_keys else {}
-    if split.local is not None:
-        local = local_attention(step, split.local.take(q), k, v, scale=scale, sliding_window=sliding_window,
-                                features=features, part=split.local, **lse)
-        local_out, local_lse = local if by_keys else (local, None)
-        step.overlapped_queries += local_out.shape[0]
-    else:
-        local_out, local_lse = q.new_zeros((0, q.shape[1], v.shape[-1])), None
-    exchanged_k, exchanged_v, local_out = wait(local_out)
-    if split.remote is None:
-        return local_out
-    remote_features = replace(features, sinks=None) if by_keys else features
-    remote = local_attention(step, split.remote.take(q), exchanged_k, exchanged_v, scale=scale,
-                             sliding_window=sliding_window, features=remote_features, part=split.remote, **lse)
-    if by_keys:
-        return split.merge_by_keys(local_out, local_lse, *remote)
-    return split.merge(local_out, remote)
-
-
-def head_parallel_attention(step: CPStep, record, q, k, v, *, scale, sliding_window, features, module=None):
-    """q [L,H,Dk], k/v [L,Hkv,D] -> [L,H,Dv] by the head-parallel `record`: its transport around the
-    local kernel, which runs with the step's plan (the whole pack) on this rank's heads.
-
-    The head counts are checked first: every rank runs the same layer shapes, so a layer the
-    exchange cannot split raises on every rank before any collective of that layer (I5)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    reason = record.heads_reason(heads, kv_heads, step.world_size)
-    if reason is not None:
-        raise ValueError(
-            f"blockdiag_cp: {_layer_name(module)} has {heads} query heads and {kv_heads} kv heads; kv_exchange={record.name!r} "
-            f"cannot split them over the CP size G={step.world_size}: {reason}. Choose a CP size that divides "
-            f"{heads}, or another kv_exchange"
-        )
-
-    def attend(q_heads, k_heads, v_heads, mine: slice):
-        return local_attention(
-            step, q_heads, k_heads, v_heads, scale=scale, sliding_window=sliding_window, features=features.for_heads(mine)
-        )
-
-    return record.transport(q, k, v, attend, step.group, step.world_size, step.kv_routes, step.exchange_bytes)
-
-
-def _layer_name(module) -> str:
-    """How errors name an attention call: its module and layer index, or an SDPA call (the drop-in, the hooks)."""
-    return "an SDPA call (cp_blockdiag_sdpa)" if module is None else f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
-
-
-def needed_keys(plan, rows_k, rows_v):
-    """The keys this rank's queries may see, in the plan's key order, from the exchange's rows."""
-    if plan.key_range is not None:
-        start, stop = plan.key_range
-        if start == 0 and stop == rows_k.shape[0]:
-            return rows_k, rows_v  # every row (cp = 1): no slice, so no zero-filled slice gradient in backward
-        return rows_k[start:stop], rows_v[start:stop]
-    return _GatherKeys.apply(rows_k, plan), _GatherKeys.apply(rows_v, plan)
-
-
-class _GatherKeys(torch.autograd.Function):
-    """rows[plan.key_index], whose backward adds the key gradients back level by level.
-
-    `index_select`'s backward is an `index_add_` whose repeated rows (two runs of one document
-    on a rank share a key prefix) contend for the same atomics (measured in docs/layouts.md,
-    "The key gather"). Here every level of `plan.key_levels` names each row once: level 0 is a
-    gather (or a copy into zeros when some rows are unused), the rest are conflict-free
-    `index_add_`s over the few repeated rows."""
-
-    @staticmethod
-    def forward(ctx, rows, plan):
-        ctx.plan, ctx.num_rows = plan, rows.shape[0]
-        return rows.index_select(0, plan.key_index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        plan = ctx.plan
-        (pos, row), *rest = plan.key_levels
-        if plan.key_levels_cover_rows:
-            out = grad.index_select(0, pos)
-        else:
-            out = grad.new_zeros((ctx.num_rows, *grad.shape[1:])).index_copy_(0, row, grad.index_select(0, pos))
-        for pos, row in rest:
-            out.index_add_(0, row, grad.index_select(0, pos))
-        return out, None
-
-
-def _choose_kernel(requested: str, device, dtype, head_dim_k: int, head_dim_v: int, names, needs_lse: bool):
-    """`choose_kernel`; when the split by keys (`needs_lse`) makes `auto` take another kernel than it
-    takes for the same layer otherwise (one whose log-sum-exp is verified there, often the slow dense
-    one), a WARNING says so (once per run, rank 0)."""
-    kernel = choose_kernel(requested, device, dtype, head_dim_k, head_dim_v, names, needs_lse)
-    if needs_lse and requested == "auto":
-        usual = choose_kernel(requested, device, dtype, head_dim_k, head_dim_v, names)
-        if usual.name != kernel.name:
-            reason = usual.unsupported_reason(device, dtype, head_dim_k, head_dim_v, names, needs_lse=True)
-            warn_once(logger, ("overlap keys kernel", usual.name, kernel.name, dtype, head_dim_k, head_dim_v), (
-                f"blockdiag_cp: overlap='keys' runs the {kernel.name} kernel instead of {usual.name} for attention "
-                f"layers of head dims {head_dim_k}/{head_dim_v} in {dtype} ({reason}); overlap='queries' keeps "
-                f"{usual.name} (warned once)"
-            ))
-    return kernel
-
-
-def local_attention(
-    step: CPStep,
-    q,
-    exchanged_k,
-    exchanged_v,
-    *,
-    scale: float | None,
-    sliding_window: int | None,
-    features: AttentionFeatures = AttentionFeatures(),
-    part: StepPart | None = None,
-    return_lse: bool = False,
-):
-    """This rank's share: q [L,H,Dk] against the keys it needs among the exchange's output rows -> [L,H,Dv];
-    with `part`, that part's queries against its rows (`split_attention`);
-    with `return_lse`, `(out, lse [L,H])` from a kernel that `returns_lse`."""
-    head_dim_k, head_dim_v = q.shape[-1], exchanged_v.shape[-1]
-    # The kernel is chosen per layer kind: a softcapped or sink layer may need another kernel.
-    names = features.names
-    kernel = step.cached(
-        ("kernel", q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
-        lambda: _choose_kernel(step.attn_backend, q.device, q.dtype, head_dim_k, head_dim_v, names, return_lse),
-    )
-    target = step if part is None else part
-    if kernel.takes_all_rows:
-        k, v = exchanged_k, exchanged_v
-    else:
-        k, v = needed_keys(target.plan, exchanged_k, exchanged_v)
-    if scale is None:
-        scale = head_dim_k**-0.5
-    lse = {"return_lse": True} if return_lse else {}
-    return kernel.fn(q, k, v, target, scale=scale, sliding_window=sliding_window, **features.kernel_kwargs(), **lse)
+from ..step.state import STEP_KWARG, CPStep, active_step
+from .dispatch import blockdiag_attention
+from .features import AttentionFeatures, attention_features, check_call, features_passthrough
 
 
 def blockdiag_cp_attention_forward(
@@ -313,7 +36,7 @@ def blockdiag_cp_attention_forward(
     if step is None or not is_causal:
         # Outside a step, or a bidirectional call (vision tower): stock SDPA, never sharded.
         if features.names:  # SDPA has no softcap (it raises) and no sinks (it would ignore them)
-            return _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features)
+            return features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     return step_attention(step, module, query, key, value, scaling, dropout, kwargs, features), None
 
@@ -327,42 +50,10 @@ def step_attention(step: CPStep, module, query, key, value, scale, dropout, kwar
     so new packs never recompile, and the exchange's collectives and autograd functions run as written."""
     if module is not None:
         check_model_support(step, module)
-    _check_call(step, query, key, value, dropout, kwargs)
+    check_call(step, query, key, value, dropout, kwargs)
     return blockdiag_attention(
         step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), features=features, module=module
     )
-
-
-def _features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features):
-    """Non-step call with softcap / sinks: the same math as the model's eager path, over its own mask."""
-    if dropout and module.training:
-        raise NotImplementedError(f"blockdiag_cp: attention dropout ({dropout}) with softcap or sinks is not supported")
-    q_len, k_len = query.shape[2], key.shape[2]
-    allowed = bias = None
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, :k_len]
-        if mask.dtype == torch.bool:
-            allowed = mask
-        else:
-            bias = mask
-    elif is_causal and q_len > 1:
-        allowed = torch.ones(1, 1, q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    outs = []
-    for b in range(query.shape[0]):
-        outs.append(
-            attention_with_features(
-                query[b],
-                key[b],
-                value[b],
-                None if allowed is None else allowed[b if allowed.shape[0] > 1 else 0],
-                bias=None if bias is None else bias[b if bias.shape[0] > 1 else 0],
-                scale=scale,
-                softcap=features.softcap,
-                sinks=features.sinks,
-            )
-        )
-    return torch.stack(outs).transpose(1, 2).contiguous(), None
 
 
 def cp_blockdiag_sdpa(

@@ -36,7 +36,7 @@ from ..compat.torch import checkpoint_wrapped_module, forbid_in_graph, unwrapped
 from ..kernels import canonical_kernel_name
 from ..planning import Layout, plan_layout, validate_document_ids
 from ..step import CPStep, build_step
-from .entry import blockdiag_attention
+from .dispatch import blockdiag_attention
 
 # The function every spelling of SDPA reaches: the builtin that torch.nn.functional exports.
 _SDPA = F.scaled_dot_product_attention

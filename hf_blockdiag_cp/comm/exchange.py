@@ -172,7 +172,7 @@ def routed_exchange(name: str, collective: RoutedCollective):
 def exchange_kv(name: str, k, v, group, world_size: int, routes=None, meter: ExchangeMeter | None = None):
     """Run the registered exchange `name` on K `[L, Hkv, Dk]` and V `[L, Hkv, Dv]`: one row per
     entry of its plan's `row_positions`. Every rank of the group must call it alike (I5).
-    K/V exchanges only: a head-parallel one moves q too and runs around the kernel (`attention.entry`)."""
+    K/V exchanges only: a head-parallel one moves q too and runs around the kernel (`attention.dispatch`)."""
     record = get_exchange(name)
     if record.head_parallel:
         raise ValueError(f"kv_exchange={name!r} is head-parallel: it moves q, k and v around the kernel, not K/V rows alone")

@@ -25,15 +25,15 @@ def run_rank() -> int:
     return int(rank) if rank.isdigit() else 0
 
 
-def warn_once(logger: logging.Logger, key, message: str) -> bool:
-    """Log `message` at WARNING on `logger` the first time this process sees `key`, on rank 0 only.
-    Returns whether it was logged."""
+def warn_once(logger: logging.Logger, key, message: str, level: int = logging.WARNING) -> bool:
+    """Log `message` on `logger` (at WARNING, or `level`) the first time this process sees `key`, on rank 0
+    only. Returns whether it was logged."""
     if key in _SEEN:
         return False
     _SEEN.add(key)
     if run_rank() != 0:
         return False
-    logger.warning(message)
+    logger.log(level, message)
     return True
 
 

@@ -72,6 +72,11 @@ class MixerContext:
             record = choose_mixer_kernel(op, self.backend, x.device, x.dtype, dims)
             if record.name == "torch" and self.backend == "auto" and x.device.type == "cuda":
                 _warn_torch_on_gpu(op, x, dims)
+            if record.name == "fla":
+                warn_once(logger, ("fla autotune",), (
+                    "blockdiag_cp: the first fla kernel calls autotune (Triton / TileLang) for each new shape, which "
+                    "can take minutes on a fresh machine with nothing printed; later steps reuse the tuned "
+                    "configurations"), level=logging.INFO)
             return record
 
         record = self.cached(("kernel", op, x.device.type, x.dtype, dims), choose)
@@ -99,7 +104,11 @@ def _warn_torch_on_gpu(op: str, x: torch.Tensor, dims: MixerDims) -> None:
     WARNING names why each fast kernel was refused (once per run, rank 0; docs/gpu.md)."""
     refused = {name: reason for name, reason in mixer_refusals(op, x.device, x.dtype, dims).items()
                if name != "torch" and reason is not None}
+    if refused:
+        why = "; ".join(f"{name}: {reason}" for name, reason in sorted(refused.items()))
+        advice = "docs/gpu.md says what to install"
+    else:  # e.g. Mamba1's selective scan: no library takes document boundaries for it
+        why, advice = f"no fast {op} kernel exists for packed documents", "installing a package does not change this"
     warn_once(logger, ("mixer torch on gpu", op, x.dtype, dims), (
-        f"blockdiag_cp: the token mixers run the torch {op} kernel on {x.device.type} in {x.dtype} "
-        f"({'; '.join(f'{name}: {reason}' for name, reason in sorted(refused.items())) or 'no fast kernel'}); "
-        "docs/gpu.md says what to install (warned once)"))
+        f"blockdiag_cp: the token mixers run the torch {op} kernel on {x.device.type} in {x.dtype} ({why}); "
+        f"{advice} (warned once)"))

@@ -59,7 +59,7 @@ class KernelCost:
     per_call + the sum over its runs; per_call (launches, full-size gradient buffers) is the
     same on every rank, so it never changes a layout, only predicted ratios to the ideal.
     `ms_per_tile` turns cost into milliseconds for the calibration's shape; `source` says where
-    the constants come from. The defaults are the varlen seed values (docs/layouts.md,
+    the constants come from. The defaults are the varlen starting values (docs/layouts.md,
     "Calibration"); `PAIR_COUNT` (1 x 1 tiles, no overheads) counts allowed pairs.
     """
 

@@ -86,7 +86,7 @@ def key_row_levels(key_rows: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Te
     """`key_rows` split by occurrence: level l holds (position in `key_rows`, row) of every row's
     (l+1)-th occurrence, rows ascending. Two runs of one document on a rank need the same key
     prefix, so a row can occur more than once; within a level every row occurs once, which lets
-    the gather's backward add each level without two writes to one row (`attention.entry`)."""
+    the gather's backward add each level without two writes to one row (`attention.dispatch`)."""
     rows = key_rows.long()
     order = torch.sort(rows, stable=True).indices
     sorted_rows = rows[order]

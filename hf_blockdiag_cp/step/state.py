@@ -372,4 +372,4 @@ def current_blockdiag_cp_state() -> BlockdiagCpModelState | None:
     return None if step is None else step.model_state
 
 
-BlockdiagCPModelState = BlockdiagCpModelState  # the spelling of the other CP names; the seed's stays
+BlockdiagCPModelState = BlockdiagCpModelState  # the spelling of the other CP names; the first one stays

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_blockdiag_cp.attention.entry import needed_keys
+from hf_blockdiag_cp.attention.dispatch import needed_keys
 from hf_blockdiag_cp.kernels import get_kernel, unsupported_reason
 from hf_blockdiag_cp.kernels.attention.fa4 import VERIFIED_HEAD_DIMS
 from hf_blockdiag_cp.planning import plan_layout

@@ -18,7 +18,7 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
-from hf_blockdiag_cp.attention import entry
+from hf_blockdiag_cp.attention import dispatch as entry
 from hf_blockdiag_cp.comm.pending import PendingExchange
 from helpers.packs import make_pack
 from helpers.parity import exchange_step_case

@@ -164,8 +164,19 @@ def test_from_dict_round_trip_and_unknown_fields():
 def test_plan_layout_rejects_a_non_kernel_cost():
     with pytest.raises(TypeError, match="kernel_cost must be a planning.KernelCost"):
         plan_layout([5, 3], 2, "balanced", kernel_cost={"per_run": 1.0})
-    assert torch.equal(plan_layout([5, 3], 2, "balanced", kernel_cost=None).slot_positions,
-                       plan_layout([5, 3], 2, "balanced").slot_positions)
+
+
+
+def test_no_kernel_cost_plans_with_the_default_one():
+    """kernel_cost=None balances by DEFAULT_KERNEL_COST, on a pack where the cost model changes the layout
+    (another cost gives another layout there, so the comparison can fail)."""
+    from hf_blockdiag_cp.planning.kernel_cost import DEFAULT_KERNEL_COST
+
+    lengths = [1000] + [64] * 8 + [500]
+    default = plan_layout(lengths, 4, "balanced", kernel_cost=DEFAULT_KERNEL_COST).slot_positions
+    assert torch.equal(plan_layout(lengths, 4, "balanced", kernel_cost=None).slot_positions, default)
+    other = KernelCost(per_run=1e4, per_call=0.0, source="test")
+    assert not torch.equal(plan_layout(lengths, 4, "balanced", kernel_cost=other).slot_positions, default)
 
 
 def test_calibrate_from_pooled_files_recovers_the_generating_constants(tmp_path):

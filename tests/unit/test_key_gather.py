@@ -1,4 +1,4 @@
-"""The needed-key gather (`attention.entry.needed_keys`) against a float64 `index_select` reference:
+"""The needed-key gather (`attention.dispatch.needed_keys`) against a float64 `index_select` reference:
 its occurrence levels (`planning.key_row_levels`) and its gradient, on random layouts of every
 kind with the all-gather's rows and the needed-only exchanges' rows (hypothesis, G = 1-8)."""
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_blockdiag_cp.attention.entry import needed_keys
+from hf_blockdiag_cp.attention.dispatch import needed_keys
 from hf_blockdiag_cp.planning import key_row_levels
 from hf_blockdiag_cp.step import build_step
 from helpers.layouts import LAYOUT_KINDS, make_layout, pack_ids, runs_strategy

@@ -226,3 +226,24 @@ def test_unverified_scan_kernels_are_refused():
     with pytest.raises(ValueError, match="fla.*CUDA"):
         choose_mixer_kernel("ssd_scan", "fla", torch.device("cpu"), torch.bfloat16, MixerDims(8, 8))
     assert choose_mixer_kernel("ssd_scan", "auto", torch.device("cpu"), torch.bfloat16, MixerDims(8, 8)).name == "torch"
+
+
+def test_gpu_fallback_warning_says_no_fast_selective_scan_exists(caplog):
+    """On a GPU, Mamba1's scan runs the torch kernel because no library scans packed documents: the warning
+    says so instead of pointing at an install (the gated delta rule's still names fla's refusal)."""
+    from hf_blockdiag_cp.comm.notice import forget
+    from hf_blockdiag_cp.mixers.context import _warn_torch_on_gpu
+
+    x = torch.empty(4, 8, device="meta")
+    keys = [("mixer torch on gpu", op, x.dtype, MixerDims(8, 8)) for op in ("selective_scan", "gated_delta_rule")]
+    for key in keys:
+        forget(key)
+    with caplog.at_level("WARNING", logger="hf_blockdiag_cp"):
+        _warn_torch_on_gpu("selective_scan", x, MixerDims(8, 8))
+        _warn_torch_on_gpu("gated_delta_rule", x, MixerDims(8, 8))
+    scan, rule = (r.getMessage() for r in caplog.records)
+    assert "no fast selective_scan kernel exists for packed documents" in scan and "install" in scan
+    assert "docs/gpu.md says what to install" not in scan
+    assert "fla: " in rule and "docs/gpu.md says what to install" in rule
+    for key in keys:
+        forget(key)

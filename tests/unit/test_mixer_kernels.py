@@ -198,3 +198,23 @@ def test_auto_on_the_cpu_takes_torch_without_a_warning(caplog):
                  for op in ("gated_delta_rule", "ssd_scan", "short_conv")]
     assert names == ["torch"] * 3
     assert not [r for r in caplog.records if "torch" in r.getMessage()]
+
+
+def test_first_fla_choice_says_autotune_takes_time(monkeypatch, caplog):
+    """fla autotunes for minutes at a new shape with nothing printed: the first choice of an fla kernel
+    says so once, at INFO (a simulated GPU where fla is verified)."""
+    from hf_blockdiag_cp.comm.notice import forget
+    from hf_blockdiag_cp.kernels.mixers import fla
+    from hf_blockdiag_cp.mixers import MixerContext
+    from hf_blockdiag_cp.planning.mixer_plan import MixerRuns
+
+    monkeypatch.setattr(fla, "fla_device", lambda device: (None, 9))
+    forget(("fla autotune",))
+    context = MixerContext.from_runs(MixerRuns.documents(torch.tensor([0, 8]), 8))
+    x = torch.empty(8, 4, device="meta", dtype=torch.bfloat16)
+    with caplog.at_level("INFO", logger="hf_blockdiag_cp"):
+        assert context.kernel("gated_delta_rule", x, MixerDims(128, 128)).name == "fla"
+        assert context.kernel("short_conv", x, MixerDims()).name == "fla"
+    notes = [r for r in caplog.records if "autotune" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].levelname == "INFO" and "minutes" in notes[0].getMessage()
+    forget(("fla autotune",))
