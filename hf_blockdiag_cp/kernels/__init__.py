@@ -5,50 +5,7 @@ and, where verified, fla). Both kinds keep their records in a `hf_blockdiag_cp.r
 """
 
 from . import attention, mixers
-from .attention import (
-    FEATURES,
-    KernelRecord,
-    KernelUnavailableError,
-    auto_order,
-    calibrated_cost,
-    canonical_kernel_name,
-    choose_kernel,
-    get_kernel,
-    kernel_names,
-    register_kernel,
-    unsupported_reason,
-)
-from .mixers import (
-    MIXER_OPS,
-    MixerDims,
-    MixerKernelRecord,
-    RunTable,
-    canonical_mixer_backend,
-    choose_mixer_kernel,
-    mixer_kernel_names,
-    register_mixer_kernel,
-)
+from .attention import *  # noqa: F403  (the attention kernels' names, `attention.__all__`)
+from .mixers import *  # noqa: F403  (the mixer kernels' names, `mixers.__all__`)
 
-__all__ = [
-    "FEATURES",
-    "MIXER_OPS",
-    "KernelRecord",
-    "KernelUnavailableError",
-    "MixerDims",
-    "MixerKernelRecord",
-    "RunTable",
-    "attention",
-    "auto_order",
-    "calibrated_cost",
-    "canonical_kernel_name",
-    "canonical_mixer_backend",
-    "choose_kernel",
-    "choose_mixer_kernel",
-    "get_kernel",
-    "kernel_names",
-    "mixer_kernel_names",
-    "mixers",
-    "register_kernel",
-    "register_mixer_kernel",
-    "unsupported_reason",
-]
+__all__ = ["attention", "mixers", *attention.__all__, *mixers.__all__]
