@@ -47,6 +47,7 @@ from shared_args import (  # same folder: the examples' argument checks
     loaded,
     one_line_errors,
     process_group_closed,
+    tokenizer_error,
 )
 from train_packed import tiny_config  # the main job, same folder: its model
 from trainer_packed import add_schedule_arguments, report_run, run_metrics, training_arguments  # the Trainer example, same folder
@@ -109,6 +110,9 @@ def build_model_and_tokenizer(args):
         model = AutoModelForCausalLM.from_config(tiny_config("llama", len(tokenizer), args.max_length), **kwargs)
     else:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
+        reason = tokenizer_error(tokenizer)  # a folder without tokenizer files loads an empty one
+        if reason is not None:
+            raise ValueError(f"{args.model!r}: {reason}; add the tokenizer files to the model folder")
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)  # the trainer applies model patches
     model.config.use_cache = False
     if args.fused_ce:

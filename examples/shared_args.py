@@ -151,6 +151,8 @@ def dataset_error(args) -> str | None:
         return f"--dataset {value!r}: no such file"
     if path.is_file() and path.suffix not in DATA_FILE_BUILDERS:
         return f"--dataset {value!r}: unknown file type {path.suffix!r}; expected one of {sorted(DATA_FILE_BUILDERS)}"
+    if path.is_file() and path.stat().st_size == 0:  # `datasets` itself would stop at a bare StopIteration
+        return f"--dataset {value!r}: the file is empty (no document to train on)"
     return None
 
 
@@ -162,6 +164,22 @@ def load_raw_dataset(value: str, split: str = "train", config: str | None = None
     if path.is_file():
         return load_dataset(DATA_FILE_BUILDERS[path.suffix], data_files=str(path), split=split)
     return load_dataset(value, config, split=split)
+
+
+TOKENIZER_PROBE = "def main():\n    return 'The quick brown fox'"
+
+
+def tokenizer_error(tokenizer) -> str | None:
+    """Why `tokenizer` cannot tokenize training text, or None. A model folder without tokenizer files
+    loads as an empty tokenizer (GPT-2, Qwen2: one special token) that turns every text into `[]`, or
+    into unknown tokens alone; every document would then be empty or noise."""
+    ids = tokenizer(TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if ids and not all(i == unk for i in ids):
+        return None
+    said = "no token" if not ids else "only unknown tokens"
+    return (f"its tokenizer ({type(tokenizer).__name__}, {len(tokenizer)} tokens) has no vocabulary: it turns text into "
+            f"{said} (are tokenizer.json / the vocabulary files missing from the model folder?)")
 
 
 def loaded(what: str, load, *args):

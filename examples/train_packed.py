@@ -11,7 +11,8 @@ Defaults: a tiny Llama built from a config (fp32, random init; `--tiny-arch qwen
 Qwen3.5 hybrid, `nemotron_h`: a tiny Nemotron-H Mamba2 hybrid, `lfm2`: a tiny LFM2 short-convolution
 hybrid), trained offline on the embedded
 corpus (`hf_blockdiag_cp.data.corpus`: top-level units of the Python standard library, byte
-tokens), cp = number of processes.
+tokens; a unit longer than `--max-tokens` is cut into pack-sized pieces, each its own document),
+cp = number of processes.
 
 Loss (the same number for any dp x cp): per optimizer step, the token-weighted mean
 cross-entropy over every target token of the step's `--packs-per-step` packs,
@@ -42,15 +43,14 @@ import torch
 import torch.distributed as dist
 
 import hf_blockdiag_cp as bdcp
-from hf_blockdiag_cp.comm import build_dp_cp_mesh
 from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
-from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_distributed, unwrap_model, wrap_model
+from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_parallel, unwrap_model, wrap_model
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from shared_args import (  # same folder
     OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
-    one_line_errors, process_group_closed,
+    one_line_errors, process_group_closed, tokenizer_error,
 )
 
 IGNORE_INDEX = -100
@@ -157,18 +157,24 @@ def load_tokenizer(args):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--model {args.model!r} has no loadable tokenizer ({exc}); pass --byte-tokens to train on bytes") from exc
+        raise ValueError(f"{args.model!r} has no loadable tokenizer ({exc}); pass --byte-tokens to train on bytes") from exc
+    reason = tokenizer_error(tokenizer)  # a folder without tokenizer files loads an empty one
+    if reason is not None:
+        raise ValueError(f"{args.model!r}: {reason}; add the tokenizer files, or pass --byte-tokens to train on bytes")
+    return tokenizer
 
 
-def load_training_data(args):
-    """`(dataset with input_ids, pad_token_id, token range)` for the chosen data and tokenizer."""
+def load_training_data(args, tokenizer=...):
+    """`(dataset with input_ids, pad_token_id, token range)` for the chosen data and `tokenizer`
+    (default: `load_tokenizer(args)`)."""
     import datasets
 
-    tokenizer = load_tokenizer(args)
-    if args.dataset is None and tokenizer is None:
-        return corpus.load_corpus(), corpus.PAD_TOKEN_ID, corpus.VOCAB_SIZE
+    if tokenizer is ...:
+        tokenizer = load_tokenizer(args)
+    if args.dataset is None and tokenizer is None:  # the demo cuts its corpus to the pack size: no split warning
+        return corpus.load_corpus(max_length=args.max_tokens), corpus.PAD_TOKEN_ID, corpus.VOCAB_SIZE
     if args.dataset is None:
         raw = datasets.Dataset.from_dict({"text": [d.text.decode("utf-8", "replace") for d in corpus.documents()]})
         text_column = "text"
@@ -176,6 +182,8 @@ def load_training_data(args):
         raw = load_raw_dataset(args.dataset, args.split, args.dataset_config)
         text_column = args.text_column
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    if len(raw) == 0:
+        raise ValueError(f"{args.dataset!r} (split {args.split!r}) holds no row: nothing to train on")
     if "input_ids" in raw.column_names:  # already tokenized
         data = raw.select_columns(["input_ids"] + (["labels"] if "labels" in raw.column_names else []))
         vocab = len(tokenizer) if tokenizer is not None else max((max(ids) for ids in data["input_ids"] if ids), default=0) + 1
@@ -192,6 +200,10 @@ def load_training_data(args):
         vocab = len(tokenizer)
     data = raw.map(encode, batched=True, remove_columns=raw.column_names, keep_in_memory=True, desc="tokenizing")
     data = data.filter(lambda ids: len(ids) > 0, input_columns="input_ids", keep_in_memory=True)  # empty text: no document
+    if len(data) == 0:
+        raise ValueError(f"every one of the {len(raw)} texts of column {text_column!r} tokenized to no token, and "
+                         "documents without a token are dropped: no document is left. Check --text-column and the "
+                         "tokenizer")
     return data, pad, vocab
 
 
@@ -298,14 +310,15 @@ def train(args) -> dict:
     """Run `args.steps` optimizer steps on this rank; every rank returns the same metrics."""
     from tqdm.auto import tqdm
 
-    setup = init_distributed(args.cp_size)
-    place, device = setup.coords, setup.device
+    setup = init_parallel(cp=args.cp_size)
+    place, device = setup.dims, setup.device
     micro_steps = args.packs_per_step // place.dp_size
-    mesh = build_dp_cp_mesh(place, device.type)  # one process: a mesh of one
+    mesh = place.build_mesh(device.type)  # one process: a mesh of one
     cp_mesh = mesh.cp
     config = cp_config(args)
 
-    dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args)
+    tokenizer = loaded("--model", load_tokenizer, args)  # its errors name --model, the data's --dataset
+    dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args, tokenizer)
     loader = packed_dataloader(
         dataset, args.max_tokens, dp_size=place.dp_size, dp_rank=place.dp_rank, cp_size=place.cp_size,
         cp_rank=place.cp_rank, pad_token_id=pad_token_id, seed=args.seed, num_workers=args.num_workers, drop_last=True,

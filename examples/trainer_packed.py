@@ -5,10 +5,10 @@
     accelerate launch --num_processes 8 examples/trainer_packed.py --cp-size 4         # GPUs: NCCL
 
 Same defaults as `examples/train_packed.py` (the custom loop): a tiny Llama built from a
-config (fp32, random init, seed `--seed`), the embedded corpus (`hf_blockdiag_cp.data.corpus`),
-packs of `--max-tokens` tokens, `--packs-per-step` packs per optimizer step over all DP
-replicas, AdamW (betas 0.9/0.95, no weight decay), constant learning rate, clipping at 1.0,
-cp = number of processes.
+config (fp32, random init, seed `--seed`), the embedded corpus (`hf_blockdiag_cp.data.corpus`, its
+units cut to at most `--max-tokens`), packs of `--max-tokens` tokens, `--packs-per-step` packs per
+optimizer step over all DP replicas, AdamW (betas 0.9/0.95, no weight decay), constant learning
+rate, clipping at 1.0, cp = number of processes.
 
 What goes where (the Trainer part a user copies):
 
@@ -107,8 +107,8 @@ def build_model(args):
 
 def load_training_data(args):
     """A `datasets.Dataset` of documents with `input_ids` (byte tokens for text; id 0 = padding)."""
-    if args.dataset is None:
-        return corpus.load_corpus()
+    if args.dataset is None:  # the demo cuts its corpus to the pack size: no split warning
+        return corpus.load_corpus(max_length=args.max_tokens)
     raw = load_raw_dataset(args.dataset)
     if "input_ids" in raw.column_names:
         return raw.select_columns(["input_ids"] + (["labels"] if "labels" in raw.column_names else []))
@@ -116,7 +116,11 @@ def load_training_data(args):
         raise ValueError(f"--dataset needs an `input_ids` or `text` column; columns: {raw.column_names}")
     data = raw.map(lambda b: {"input_ids": [corpus.encode_bytes(t or "").tolist() for t in b["text"]]},
                    batched=True, remove_columns=raw.column_names)
-    return data.filter(lambda ids: len(ids) > 0, input_columns="input_ids")
+    data = data.filter(lambda ids: len(ids) > 0, input_columns="input_ids")
+    if len(data) == 0:
+        raise ValueError(f"every one of the {len(raw)} rows of column 'text' is empty, and empty documents are "
+                         "dropped: no document is left")
+    return data
 
 
 def training_arguments(args, world_size: int, cp_size: int):

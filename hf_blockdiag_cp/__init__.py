@@ -12,7 +12,8 @@ Trainer, TRL, torch.compile). The Trainer names are imported on first use:
 """
 
 from .attention import cp_blockdiag_sdpa
-from .comm import DPCPCoordinates
+from .comm import DPCPCoordinates  # deprecated alias of ParallelDims (one release)
+from .comm import ParallelDims
 from .config import CPConfig, configure_cp, configure_cp_varlen
 from .data import BlockdiagCPCollator, PackedBatchSampler, packed_dataloader
 from .integrations.compile import compile_model
@@ -23,7 +24,7 @@ from .logprobs import DocumentLogProbs, document_log_probs
 from .planning import Layout, plan_layout
 from .step import (
     BlockdiagCPModelState,
-    BlockdiagCpModelState,  # noqa: F401  (the seed's spelling, kept importable)
+    BlockdiagCpModelState,  # noqa: F401  (the first spelling, kept importable)
     make_cp_blockdiag_batch_and_ctx,
     current_blockdiag_cp_state,
     shard_batch,
@@ -63,6 +64,7 @@ __all__ = [
     "DocumentLogProbs",
     "Layout",
     "PackedBatchSampler",
+    "ParallelDims",
     "UNSUPPORTED_MODEL_TYPES",
     "apply_model_patches",
     "compile_model",

@@ -50,7 +50,7 @@ def step_attention(step: CPStep, module, query, key, value, scale, dropout, kwar
     so new packs never recompile, and the exchange's collectives and autograd functions run as written."""
     if module is not None:
         check_model_support(step, module)
-    check_call(step, query, key, value, dropout, kwargs)
+    check_call(step, module, query, key, value, dropout, kwargs)
     return blockdiag_attention(
         step, query, key, value, scale=scale, sliding_window=kwargs.get("sliding_window"), features=features, module=module
     )

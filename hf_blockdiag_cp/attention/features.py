@@ -14,6 +14,7 @@ import torch
 
 from ..kernels.attention.dense import attention_with_features
 from ..step.state import CPStep
+from .dropout import attention_dropout_error, attention_dropout_field
 
 # Keyword arguments a model may send that change the attention function and that no kernel
 # implements; accepting them silently would train a wrong model (I7).
@@ -61,7 +62,8 @@ def attention_features(query: torch.Tensor, kwargs: dict) -> AttentionFeatures:
     return AttentionFeatures(softcap, sinks)
 
 
-def check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None:
+def check_call(step: CPStep, module, query, key, value, dropout: float, kwargs) -> None:
+    """Refuse what no kernel of the step runs, naming the field to change; `module` None: an SDPA call."""
     for name, what in _UNSUPPORTED_FEATURES.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
@@ -69,10 +71,7 @@ def check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None:
                 "the model would be trained with wrong attention. Use a model without it or disable CP."
             )
     if dropout:
-        raise NotImplementedError(
-            f"blockdiag_cp: attention dropout ({dropout}) is not supported during a CP step; set the model's "
-            "attention_dropout to 0"
-        )
+        raise attention_dropout_error(module, dropout)
     if query.shape[0] != 1 or key.shape[0] != 1:
         raise ValueError(f"blockdiag_cp: a CP step needs batch size 1 (one packed row); query has batch {query.shape[0]}")
     if query.shape[2] != step.local_len or key.shape[2] != step.local_len:
@@ -88,7 +87,9 @@ def check_call(step: CPStep, query, key, value, dropout: float, kwargs) -> None:
 def features_passthrough(module, query, key, value, attention_mask, scaling, dropout, is_causal, features):
     """Non-step call with softcap / sinks: the same math as the model's eager path, over its own mask."""
     if dropout and module.training:
-        raise NotImplementedError(f"blockdiag_cp: attention dropout ({dropout}) with softcap or sinks is not supported")
+        field = attention_dropout_field(module, dropout) or "the attention dropout"
+        raise NotImplementedError(f"blockdiag_cp: attention dropout ({dropout}) with softcap or sinks is not supported; "
+                                  f"set {type(getattr(module, 'config', module)).__name__}.{field} to 0.0")
     q_len, k_len = query.shape[2], key.shape[2]
     allowed = bias = None
     if attention_mask is not None:

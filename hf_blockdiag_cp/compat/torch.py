@@ -44,3 +44,14 @@ def compile_counters() -> dict[str, int]:
 def cuda_sleep(cycles: int) -> None:
     """Keep the current CUDA stream busy for about `cycles` GPU clock cycles: `torch.cuda._sleep`."""
     torch.cuda._sleep(cycles)
+
+
+def flatten_mesh(mesh, name: str):
+    """`mesh`'s dimensions as one dimension `name` of the same root mesh: `DeviceMesh._flatten` (slicing a
+    flattened name off the root instead is deprecated)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """Dimension `dim` of `mesh` split into `sizes` named `names`, on the same root: `DeviceMesh._unflatten`."""
+    return mesh._unflatten(dim, sizes, names)

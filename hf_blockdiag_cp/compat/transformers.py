@@ -54,3 +54,12 @@ def trainer_reads_loss_scaling_flag() -> bool:
     import transformers  # at the call: importing some of its submodules replaces `transformers` in sys.modules
 
     return Version(transformers.__version__) >= Version("5.19.0")
+
+
+def expanded_tp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """`plan` with its wildcard module names expanded over `model` (`PreTrainedModel._expand_parallel_plan`;
+    the public path, `from_pretrained(tp_plan=...)`, builds its own device mesh)."""
+    expand = getattr(model, "_expand_parallel_plan", None)
+    if expand is None:
+        raise TypeError(f"{type(model).__name__} is not a Transformers PreTrainedModel with a parallel plan")
+    return expand(plan)

@@ -64,10 +64,11 @@ class BlockdiagCPCollator:
       `labels` is trained on all its tokens; padding is -100.
     - `position_ids` restart at 0 for every document (and for the padding run).
     - `document_ids` are 1-based in pack order; 0 marks padding.
-    - A document longer than `max_tokens`: `oversize="split"` cuts it into `max_tokens`-sized
-      documents (and warns at the first one), `"raise"` raises. The pieces must still fit the one
-      pack, so a sampler that may meet long documents must give each piece its own pack
-      (`PackedBatchSampler` does, and counts them).
+    - A document longer than `max_tokens` never fits one pack, so a call raises ValueError naming it
+      (with either `oversize`, and without a split warning first). Splitting is the sampler's:
+      `PackedBatchSampler` (`packed_dataloader`) with `oversize="split"` cuts such documents into
+      `max_tokens`-sized pieces, gives each piece its own pack and counts them; `documents()` cuts
+      them alone (and warns at the first one).
     - `cp_rank` set: return `shard_batch(pack, cp_size, cp_rank)`, this rank's local batch,
       which `make_cp_blockdiag_batch_and_ctx` accepts as is, laid out by `cp_config`'s layout
       (default: contiguous chunks).
@@ -110,8 +111,10 @@ class BlockdiagCPCollator:
             f"cp_size={self.cp_size}, cp_rank={self.cp_rank}, oversize={self.oversize!r})"
         )
 
-    def documents(self, examples: Sequence[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`(input_ids, labels)` per document of the pack, oversized examples split (or rejected)."""
+    def documents(self, examples: Sequence[dict], *, split: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(input_ids, labels)` per document of the pack, oversized examples split (or rejected).
+        `split=False` (what `pack` passes): an oversized example raises whatever `oversize` says, since
+        its pieces could never fit the one pack (`_cannot_fit`)."""
         if isinstance(examples, dict) or not isinstance(examples, Sequence):
             raise TypeError(f"examples must be a list of dicts (the documents of one pack); got {type(examples).__name__}")
         if not examples:
@@ -130,6 +133,8 @@ class BlockdiagCPCollator:
                     f"examples[{i}]['labels'] has {labels.numel()} entries; expected {ids.numel()} (one per input_ids token)"
                 )
             if ids.numel() > self.max_tokens:
+                if not split:
+                    raise self._cannot_fit(i, ids.numel())
                 self._oversized(i, ids.numel())
             for start in range(0, ids.numel(), self.max_tokens):
                 docs.append((ids[start : start + self.max_tokens], labels[start : start + self.max_tokens]))
@@ -148,9 +153,25 @@ class BlockdiagCPCollator:
             "document); pass oversize='raise' to refuse such documents"
         ))
 
+    def _cannot_fit(self, index: int, length: int) -> ValueError:
+        """The error of `pack` for an example longer than the pack: split or not, it cannot fit ONE pack, so
+        it is refused before any split warning (the sampler is what gives each piece its own pack)."""
+        if self.oversize == "raise":
+            return ValueError(
+                f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens} (oversize='raise'); "
+                "raise max_tokens, filter long documents out, or pass oversize='split'"
+            )
+        return ValueError(
+            f"examples[{index}] has {length} tokens, more than max_tokens={self.max_tokens}: a call collates ONE pack, "
+            "and the pieces of a split document never fit one (oversize='split' splits documents in "
+            "hf_blockdiag_cp.PackedBatchSampler / packed_dataloader, which give each piece its own pack). Collate "
+            "through packed_dataloader, raise max_tokens, or cut the document first"
+        )
+
     def pack(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
-        """The full pack (not sharded): tensors [1, max_tokens]."""
-        docs = self.documents(examples)
+        """The full pack (not sharded): tensors [1, max_tokens]. An example longer than `max_tokens`
+        raises ValueError naming it (whatever `oversize` says: its pieces would not fit one pack)."""
+        docs = self.documents(examples, split=False)
         total = sum(ids.numel() for ids, _ in docs)
         if total > self.max_tokens:
             raise ValueError(

@@ -104,9 +104,29 @@ def decode_bytes(ids) -> bytes:
     return (arr[arr > 0] - 1).astype(np.uint8).tobytes()
 
 
-def load_corpus(unit: str = "definition", root: Path | None = None, max_documents: int | None = None):
+def cut_documents(docs: list[Document], max_length: int) -> list[Document]:
+    """`docs` with every document longer than `max_length` bytes cut into pieces of `max_length`
+    (the last one shorter), each its own document (`source` + `#k`, the k-th piece): the cut
+    `PackedBatchSampler(oversize="split")` makes, made up front, so packing has nothing to split."""
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= 0:
+        raise ValueError(f"max_length must be a positive integer or None; got {max_length!r}")
+    out = []
+    for doc in docs:
+        if len(doc.text) <= max_length:
+            out.append(doc)
+            continue
+        out += [Document(f"{doc.source}#{k}", doc.text[start : start + max_length])
+                for k, start in enumerate(range(0, len(doc.text), max_length))]
+    return out
+
+
+def load_corpus(unit: str = "definition", root: Path | None = None, max_documents: int | None = None,
+                max_length: int | None = None):
     """The corpus as a `datasets.Dataset` with columns `input_ids` (byte tokens) and `source`.
 
+    `max_length`: cut longer documents into pieces of at most that many tokens (`cut_documents`;
+    after `max_documents`), as the examples do with their pack size: the corpus is heavy-tailed, and
+    cutting is their own choice, not something packing should warn about.
     Built straight from Arrow buffers (no Python loop over tokens), in memory, no cache files.
     """
     import datasets
@@ -119,6 +139,8 @@ def load_corpus(unit: str = "definition", root: Path | None = None, max_document
         docs = docs[:max_documents]
     if not docs:
         raise ValueError(f"the corpus under {str(root or stdlib_root())!r} holds no documents")
+    if max_length is not None:
+        docs = cut_documents(docs, max_length)
     lengths = np.array([len(d.text) for d in docs], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     tokens = encode_bytes(b"".join(d.text for d in docs))

@@ -7,9 +7,11 @@ shuffling and first-fit-decreasing packing), then keeps the packs of its DP repl
 peers construct it with equal arguments, so they yield identical packs; the shard step's
 per-step consensus (`make_cp_blockdiag_batch_and_ctx`) raises if they ever differ.
 
-Rank layout convention (`hf_blockdiag_cp.comm.DPCPCoordinates`): CP is the fastest-varying
-mesh dimension, ranks `[dp * cp_size, (dp + 1) * cp_size)` form one CP group, as
-`hf_blockdiag_cp.comm.build_dp_cp_mesh` lays them out.
+Rank layout convention (`hf_blockdiag_cp.ParallelDims`): the data-parallel replica is the
+slowest dimension (`dp_rank`), then cp, then tp; with tp = 1 ranks `[dp * cp_size, (dp + 1) *
+cp_size)` form one CP group, as `ParallelDims.build_mesh` lays them out. The TP ranks of a CP rank
+get the same pack and the same shard: pass `dims.dp_rank`, `dims.dp_size`, `dims.cp_rank` and
+`dims.cp_size`, never the global rank.
 """
 
 from __future__ import annotations
@@ -43,6 +45,21 @@ class DocumentPiece:
 
 
 PackItem = Union[int, DocumentPiece]
+
+
+def check_not_empty(lengths: Sequence[int]) -> None:
+    """Raise ValueError for a dataset that gives nothing to train on: no example, or only examples
+    without a token (every packed step would train on padding alone)."""
+    if not lengths:
+        raise ValueError(
+            "the dataset holds no example: nothing to pack or train on. If a filter emptied it (dataset.filter, a "
+            "length cut, dropping documents that tokenized to nothing), check that filter"
+        )
+    if not any(lengths):
+        raise ValueError(
+            f"every one of the dataset's {len(lengths)} examples has 0 tokens (empty input_ids): nothing to train on. "
+            "Check the tokenizer (one without a vocabulary turns every text into []) and the text column"
+        )
 
 
 class PackedExamples(torch.utils.data.Dataset):
@@ -110,6 +127,7 @@ class PackedBatchSampler(Sampler[list[PackItem]]):
             raise ValueError(f"dp_rank must be an integer in [0, dp_size={dp_size}); got {dp_rank!r}")
         oversize = oversize_policy(oversize)
         self.lengths = [checked_length(i, n) for i, n in enumerate(lengths)]
+        check_not_empty(self.lengths)
         self.oversized = count_oversized(self.lengths, max_tokens, oversize)  # raises for oversize="raise"
         if self.oversized.documents:
             warn_split_documents(self.oversized, len(self.lengths), max_tokens)
@@ -279,7 +297,7 @@ def packed_dataloader(
     `input_ids` (and optional `labels`). Lengths are read from `length_key` unless `lengths`
     is given. With `cp_rank` set, batches are already sharded for that CP rank (in the
     worker processes when `num_workers > 0`), laid out by `cp_config`'s layout (a `CPConfig`;
-    default: contiguous chunks). Get coordinates from `DPCPCoordinates` (`hf_blockdiag_cp.comm`).
+    default: contiguous chunks). Get coordinates from `hf_blockdiag_cp.ParallelDims`.
     Do not pass the result through `accelerator.prepare`: that would re-shard its batches.
     """
     collator = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, oversize, cp_config)

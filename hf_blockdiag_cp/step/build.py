@@ -19,6 +19,7 @@ import torch
 
 from ..comm import agree, check_group_usable, group_spans_nodes, resolve_cp_group
 from ..comm.notice import warn_once
+from ..comm.parallel_dims import check_tp_mesh
 from ..config import CPConfig, default_config
 from ..kernels import get_kernel
 from ..planning import (
@@ -31,8 +32,8 @@ from ..planning import (
     plan_overlap,
     validate_rank_plan,
 )
-from .model_support import prepare_model
-from .shard import SHARD_KEY, PackFingerprint, shard_batch
+from .model_support import input_embedding_rows, prepare_model
+from .shard import SHARD_KEY, PackFingerprint, check_token_ids, shard_batch
 from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
 from .targets import check_pack_targets
 
@@ -183,18 +184,21 @@ def make_cp_blockdiag_batch_and_ctx(
     `model(**local_batch)` and its backward inside `with train_ctx():` (`train_ctx` is the
     step object's `activate`). `config` (default: the process default, `configure_cp`) picks
     kernel, exchange and layout; a pre-sharded batch keeps the layout it was sharded with.
-    `tp_mesh` is accepted and unused: tensor parallelism splits heads, which block-diagonal CP
-    leaves alone, so a TP group needs nothing from this step. `model` (optional, the model the
-    step runs, wrapped or not) gets the model patches it needs (`apply_model_patches`, once) and
-    lets errors name its attention implementation; a model type the library refuses raises its
-    NotImplementedError here, on every rank.
+    `tp_mesh` (None, a 1-D DeviceMesh or a ProcessGroup: `ParallelDims.build_mesh(...).tp`) is the
+    model's tensor-parallel group: TP splits heads and MLP channels, so each attention call sees its
+    TP rank's heads (shapes are read from the tensors) and the exchange moves those over `cp_mesh`
+    only; the step needs nothing else from TP. It is checked to share no rank but this one with
+    `cp_mesh` (two dimensions of one grid). `model` (optional, the model the
+    step runs, wrapped or not) gets the model patches it needs (`apply_model_patches`, once), lets
+    errors name its attention implementation, and has the pack's input_ids checked against its input
+    embeddings (a ValueError naming the id, not the embedding's IndexError); a model type the library
+    refuses raises its NotImplementedError here, on every rank.
 
     Errors on any rank (bad input, different packs on the ranks of one group, different
     exchange choices) make every rank raise after one consensus all-reduce, never a hang. A pack
     with labels but no target token is warned about or refused (`CPConfig.no_target_packs`,
     `step.targets`).
     """
-    del tp_mesh
     config = default_config() if config is None else config
     if not isinstance(config, CPConfig):
         raise TypeError(f"config must be a CPConfig or None; got {type(config).__name__}")
@@ -205,8 +209,10 @@ def make_cp_blockdiag_batch_and_ctx(
     agreement_values: dict[str, int] = {}
     try:
         prepare_model(model)  # patches the model needs; a refused model type raises here, on every rank
+        check_tp_mesh(tp_mesh, cp.group)
         local = _local_batch(batch, cp, config, loss_mask, padding_token_id, shard_primary)
         info = local[SHARD_KEY]
+        check_token_ids(info.token_ids, input_embedding_rows(model))  # ids past the embeddings: named here, not an IndexError
         exchange, exchange_plan = step_exchange(config, info.layout, cp.group)
         # The exchange is agreed too: ranks that would run different collectives raise (I5).
         agreement_values = StepAgreement(info.fingerprint, exchange_id(exchange)).values()

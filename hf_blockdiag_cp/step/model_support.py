@@ -61,6 +61,28 @@ def configured_model(model) -> Any:
     return None
 
 
+def input_embedding_rows(model) -> int | None:
+    """Rows of `model`'s input embeddings (`get_input_embeddings().num_embeddings`: the token ids it
+    accepts), through DDP / compile wrappers; None for a model without them (nothing to check).
+    Where an embedding is split over tensor-parallel ranks, the largest of its row count, its weight's
+    (global) rows and `config.vocab_size` counts: a check may miss, never refuse a valid id."""
+    inner = configured_model(model)
+    get = getattr(inner, "get_input_embeddings", None)
+    if get is None:
+        return None
+    try:
+        embeddings = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if isinstance(rows, bool) or not isinstance(rows, int):
+        return None
+    weight = getattr(embeddings, "weight", None)
+    vocab = getattr(getattr(inner, "config", None), "vocab_size", None)
+    more = [getattr(weight, "shape", (0,))[0], vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 0]
+    return max(rows, *more)
+
+
 def prepare_model(model) -> None:
     """Install the patches `model` needs (each once: the registry's call is idempotent and cheap when
     nothing is missing); raise NotImplementedError for a model type the library refuses. A module

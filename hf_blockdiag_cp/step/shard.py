@@ -76,7 +76,42 @@ def _primary(batch: dict) -> tuple[str, torch.Tensor]:
         )
     if t.shape[1] == 0:
         raise ValueError(f"batch[{key!r}] is empty")
+    if has_ids:
+        _check_integer(key, t)
     return key, t
+
+
+def _check_integer(key: str, t: torch.Tensor) -> None:
+    """Raise unless `t` (ids, labels, positions) holds integers: a float or bool row would be cast
+    silently here, and fail later where no message names it (the embedding's `indices` check)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(
+            f"batch[{key!r}] must hold integer ids; got dtype {t.dtype}. Build it with dtype=torch.long "
+            f"(e.g. torch.tensor(ids, dtype=torch.long), or .long())"
+        )
+
+
+def token_id_range(input_ids: torch.Tensor) -> tuple[int, int]:
+    """(smallest, largest) token id of a pack's `input_ids` (one min/max); raise if one is negative."""
+    low, high = (int(v) for v in torch.aminmax(input_ids.reshape(-1)))
+    if low < 0:
+        raise ValueError(
+            f"batch['input_ids'] holds a negative token id ({low}); token ids index the model's input embeddings "
+            "(0 .. vocabulary size - 1). Labels take -100, input_ids never: pad input_ids with the pad token id"
+        )
+    return low, high
+
+
+def check_token_ids(token_ids: tuple[int, int] | None, num_embeddings: int | None) -> None:
+    """Raise ValueError if the pack's largest token id (`ShardInfo.token_ids`) has no row in the
+    model's input embeddings (`num_embeddings` rows; None: not known, nothing to check)."""
+    if token_ids is None or num_embeddings is None or token_ids[1] < num_embeddings:
+        return
+    raise ValueError(
+        f"batch['input_ids'] holds token id {token_ids[1]}, but the model's input embeddings have {num_embeddings} "
+        f"rows (ids 0..{num_embeddings - 1}): tokenize with the model's own tokenizer (and pad with an id below "
+        f"{num_embeddings}), or resize the embeddings (model.resize_token_embeddings(len(tokenizer)))"
+    )
 
 
 ONE_DOCUMENT_NOTICE = "one document"  # the `warn_once` key of a row without boundaries
@@ -91,10 +126,19 @@ def _say_single_document_once() -> None:
 
 
 def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
-    """Document ids [S] (1-based, 0 = padding) from document_ids, else position_ids restarts, else cu_seq_lens_q."""
+    """Document ids [S] (1-based, 0 = padding) from document_ids, else position_ids restarts, else cu_seq_lens_q.
+    document_ids and 2-D position_ids given together must mark the same documents (else ValueError)."""
     doc = _row(batch, "document_ids", seq_len)
     pos = _row(batch, "position_ids", seq_len, ndim_ok=(2, 3))
-    if doc is not None:
+    for key, row in (("document_ids", doc), ("position_ids", pos)):
+        if row is not None:
+            _check_integer(key, row)
+    positions = None  # position_ids on the host, when they are to be checked against document_ids
+    if doc is not None and pos is not None and pos.ndim == 2:
+        # Both rows in one copy to the host (the copy document_ids alone took before): no further sync.
+        both = torch.stack([doc.reshape(-1).long(), pos.reshape(-1).long()]).cpu()
+        ids, positions, source = both[0], both[1], "document_ids"
+    elif doc is not None:
         ids, source = doc.reshape(-1).long().cpu(), "document_ids"
     elif pos is not None and pos.ndim == 2:
         ids, source = document_ids_from_position_ids(pos.reshape(-1).cpu()), "position_ids"
@@ -110,7 +154,30 @@ def document_ids_of(batch: dict, seq_len: int) -> torch.Tensor:
         ids = torch.where(_right_padding(mask), ids, torch.zeros_like(ids))
     validate_padding_at_end(ids, source)  # first: a hole of padding also splits a document in two
     validate_document_ids(ids, source)
+    if positions is not None:
+        _check_positions_agree(ids, document_ids_from_position_ids(positions))
     return ids
+
+
+def _check_positions_agree(ids: torch.Tensor, from_positions: torch.Tensor) -> None:
+    """Raise if `position_ids` mark other document boundaries than `document_ids` (`ids`) among the
+    pack's real tokens: document_ids would pick the documents and the model would still read the
+    position_ids as given (its rotary positions), so one of the two is wrong."""
+    real = (ids[1:] > 0) & (ids[:-1] > 0)
+    by_ids = (ids[1:] != ids[:-1]) & real
+    by_positions = (from_positions[1:] != from_positions[:-1]) & real
+    differ = torch.nonzero(by_ids != by_positions)
+    if differ.numel() == 0:
+        return
+    at = int(differ[0, 0]) + 1
+    ids_say, positions_say = (("a new document starts", "continue by +1 (one document)") if bool(by_ids[at - 1])
+                              else ("the same document goes on", "do not continue by +1 (a new document)"))
+    raise ValueError(
+        f"batch['document_ids'] and batch['position_ids'] disagree at position {at}: by document_ids {ids_say}, "
+        f"but position_ids {positions_say} (the first of {differ.numel()} such positions). When both are given "
+        "they must mark the same documents: position_ids restart at 0 at every document_ids boundary, and only there "
+        "(or pass only one of them)"
+    )
 
 
 def _right_padding(mask: torch.Tensor) -> torch.Tensor:
@@ -177,6 +244,7 @@ class ShardInfo:
     fingerprint: PackFingerprint  # same on every rank of the group for the same pack
     cp_rank: int
     cp_size: int
+    token_ids: tuple[int, int] | None = None  # (smallest, largest) id of the padded pack's input_ids; None: inputs_embeds
 
 
 def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: Layout, slots: torch.Tensor,
@@ -222,6 +290,21 @@ def layout_kernel_cost(config: CPConfig) -> KernelCost:
     return DEFAULT_KERNEL_COST
 
 
+def _host_token_ids(primary_key: str, primary: torch.Tensor):
+    """(The pack's one host copy of its `input_ids`, for its checksum; their (min, max)), or (None, None)
+    for `inputs_embeds`: the id checks ride on the copy the step makes anyway."""
+    if primary_key != "input_ids":
+        return None, None
+    host_ids = primary.reshape(-1).cpu()
+    return host_ids, token_id_range(host_ids)
+
+
+def _with_padding_id(token_ids: tuple[int, int], padding_token_id: int) -> tuple[int, int]:
+    if padding_token_id < 0:
+        raise ValueError(f"padding_token_id must be a non-negative token id; got {padding_token_id}")
+    return min(token_ids[0], padding_token_id), max(token_ids[1], padding_token_id)
+
+
 def shard_batch(
     batch: dict,
     cp_size: int,
@@ -243,10 +326,12 @@ def shard_batch(
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}); got {cp_rank}")
     primary_key, primary = _primary(batch)
-    seq_len = primary.shape[1]
-    device = primary.device
+    seq_len, device = primary.shape[1], primary.device
+    host_ids, token_ids = _host_token_ids(primary_key, primary)
     ids = document_ids_of(batch, seq_len)
     labels = _row(batch, "labels", seq_len)
+    if labels is not None:
+        _check_integer("labels", labels)
     if loss_mask is None:
         loss_mask = batch.get("loss_mask")
     if loss_mask is not None:
@@ -292,9 +377,11 @@ def shard_batch(
         label_keys, global_targets = _local_labels(labels, loss_mask, layout, slots, device)
         local.update(label_keys)
     local["use_cache"] = False
-    primary_sum = checksum(primary) if primary_key == "input_ids" else primary.shape[-1]
+    primary_sum = primary.shape[-1] if host_ids is None else checksum(host_ids)
+    if token_ids is not None and s_pad > seq_len:  # the padding the step added is fed to the embeddings too
+        token_ids = _with_padding_id(token_ids, padding_token_id)
     fingerprint = PackFingerprint(
         s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets, checksum(layout.slot_positions)
     )
-    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size)
+    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size, token_ids)
     return local

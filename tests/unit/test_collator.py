@@ -157,7 +157,9 @@ def test_oversize_split_and_raise(caplog):
     assert [r.levelno for r in caplog.records if "examples[0] has 20 tokens, more than max_tokens=8: it is split" in
             r.getMessage()] == [logging.WARNING], caplog.text
     assert [p[0].tolist() for p in pieces] == [list(range(1, 9)), list(range(9, 17)), list(range(17, 21))]
-    with pytest.raises(ValueError, match=r"hold 20 tokens, more than max_tokens=8.*PackedBatchSampler"):
+    # Collating it raises (its pieces never fit one pack), saying where splitting happens (issue 51).
+    with pytest.raises(ValueError, match=r"examples\[0\] has 20 tokens, more than max_tokens=8: a call collates ONE "
+                                         r"pack.*PackedBatchSampler"):
         splitter([long_doc])
     # The sampler gives each piece its own pack (the short remainder may share one).
     sampler = PackedBatchSampler([20, 3], 8, shuffle=False)

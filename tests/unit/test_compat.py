@@ -185,3 +185,24 @@ def test_liger_applies_only_the_named_kernel_to_one_instance():
     norm = model.model.norm
     assert norm.forward.__func__ is type(norm).forward and type(norm) is type(other.model.norm), _changed(
         liger_compat, "rms_norm=False still replaced the model's norm", found)
+
+
+def test_torch_device_mesh_flattens_and_unflattens_on_its_root():
+    """`ParallelDims.build_mesh` keeps its dp x cp views on the root mesh through these two (exercised over
+    real meshes by multiprocess/test_tp_cp_fsdp.py); here: they exist with the signatures it calls."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for name, params in (("_flatten", ["mesh_dim_name"]), ("_unflatten", ["dim", "mesh_sizes", "mesh_dim_names"])):
+        method = getattr(DeviceMesh, name, None)
+        assert method is not None, _changed(torch_compat, f"DeviceMesh.{name} is gone", torch.__version__)
+        assert list(inspect.signature(method).parameters)[1:1 + len(params)] == params, _changed(
+            torch_compat, f"DeviceMesh.{name}{inspect.signature(method)}", torch.__version__)
+
+
+def test_transformers_expands_a_tp_plan_over_the_model():
+    model = tiny_model("sdpa")
+    plan = transformers_compat.expanded_tp_plan(model, dict(model.tp_plan))
+    assert plan.get("model.layers.0.self_attn.q_proj") == "colwise", _changed(
+        transformers_compat, f"_expand_parallel_plan gave {sorted(plan)[:4]}...", transformers.__version__)
+    with pytest.raises(TypeError, match="not a Transformers PreTrainedModel"):
+        transformers_compat.expanded_tp_plan(torch.nn.Linear(2, 2), {})

@@ -1,5 +1,5 @@
 """MiniMax's lightning-attention patch and kernel on one process (model_patches/minimax.py,
-mixers/lightning.py, kernels/lightning.py; docs/models.md).
+mixers/lightning.py, kernels/mixers/lightning.py; docs/models.md).
 
 - The torch kernel equals a float64 step-by-step recurrence per run (from zero or given start
   states, at block sizes that do and do not divide the runs) and returns each run's final state;

@@ -1,4 +1,4 @@
-"""Mixer kernels on one process (kernels/delta_rule.py, kernels/short_conv.py, kernels/mixer_registry.py).
+"""Mixer kernels on one process (kernels/mixers/: delta_rule.py, short_conv.py, buckets.py, registry.py).
 
 The torch kernels against Transformers' own functions run on each run alone (float64 inputs; the
 delta rule computes in float32 whatever its inputs, hence its tolerances): the batched

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ...comm.consensus import collective_device
 from ...compat.transformers import attn_implementation, checkpoint_function, checkpointing_call
-from ...comm.mesh import DPCPCoordinates, build_dp_cp_mesh, world_size_error
+from ...comm.parallel_dims import ParallelDims, world_size_error
 from ...data.collator import BlockdiagCPCollator
 from ...data.packing import oversize_policy
 from ..accelerate import launched_world_size
@@ -220,16 +220,16 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
 # --------------------------------------------------------------------------- ranks and groups
 
 
-def resolve_cp_mesh(cp_mesh, coords: DPCPCoordinates, device_type: str):
-    """The CP mesh of this rank: the given one after checking its ranks, else `build_dp_cp_mesh`'s
-    (None without CP)."""
+def resolve_cp_mesh(cp_mesh, coords: ParallelDims, device_type: str):
+    """The CP mesh of this rank: the given one after checking its ranks, else `coords.build_mesh`'s
+    (None without CP). `coords`: this rank's `ParallelDims` (or its alias `DPCPCoordinates`)."""
     if cp_mesh is None:
-        return build_dp_cp_mesh(coords, device_type).cp if coords.cp_size > 1 else None
+        return coords.build_mesh(device_type).cp if coords.cp_size > 1 else None
     ranks = dist.get_process_group_ranks(_cp_group_of(cp_mesh))
     if sorted(ranks) != coords.cp_group_ranks:
         raise ValueError(
             f"cp_mesh holds ranks {sorted(ranks)}; expected {coords.cp_group_ranks} (cp_size={coords.cp_size}, CP "
-            "fastest-varying: build_dp_cp_mesh(DPCPCoordinates(world_size, rank, cp_size), device_type).cp)"
+            "fastest-varying: ParallelDims(cp=cp_size, world_size=world_size, rank=rank).build_mesh(device_type).cp)"
         )
     return cp_mesh
 

@@ -105,12 +105,14 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
             check_world(training_args, cp_size)
         self.packing = PackingOptions(max_tokens, pad_token_id, packing_buffer_size, oversize, shuffle, length_key)
         self.packing.validate(cp_size)
+        _default_find_unused_parameters(training_args, kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         apply_model_patches(self.model)  # per-family patches (Phi-3 global RoPE, ...); idempotent
         self.add_callback(self.cp_callback)
         if self.args.torch_compile:
             self.add_callback(_CompileCheckpointedBodies(self.accelerator.state.dynamo_plugin.to_kwargs()))
         check_trainer_setup(self, cp_size)
+        check_train_dataset(self.train_dataset)  # at construction: empty, the Trainer would end at once and exit 0
         self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
         self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
@@ -130,6 +132,12 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
                 f"ranks disagree on the number of packs per epoch (this rank: {len(loader)}; range "
                 f"{low}..{high}): every rank must see the same train_dataset and "
                 "packing options, or the Trainer's steps would hang"
+            )
+        if len(loader) == 0:  # the same on every rank (just agreed): all raise, none trains nothing silently
+            raise ValueError(
+                f"train_dataset gives no pack to train on: its {len(self.train_dataset)} examples fill fewer packs of "
+                f"max_tokens={self.packing.max_tokens} than the {c.dp_size} DP replicas (dataloader_drop_last="
+                f"{self.args.dataloader_drop_last}); add examples, lower max_tokens, or set dataloader_drop_last=False"
             )
         return loader
 
@@ -257,6 +265,47 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         if packs and self.cp_config.no_target_packs == "raise":
             raise no_targets_error(packs)
         self.cp_callback.record_packs_without_targets(packs)
+
+
+def check_train_dataset(dataset) -> None:
+    """Raise ValueError for a `train_dataset` without an example (`None`, for evaluation only, and
+    datasets without a length pass): the Trainer would stop at once and exit 0 having trained nothing."""
+    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
+        return
+    try:
+        size = len(dataset)
+    except TypeError:
+        return
+    if size == 0:
+        raise ValueError(
+            "train_dataset holds no example (len 0): the Trainer would stop at once, having trained nothing. If a "
+            "filter emptied it (dataset.filter, a length cut, TRL's preparation), check that filter"
+        )
+
+
+def _default_find_unused_parameters(training_args, model) -> None:
+    """`TrainingArguments.ddp_find_unused_parameters` left None: False for a text-only Transformers model.
+
+    Transformers' own default is True unless activation checkpointing is on, and then every DDP run
+    (dp = 1 under CP included) warns that no parameter was unused, and walks the autograd graph an
+    extra time per step. Every parameter of a dense text-only causal LM takes part in its loss; a
+    composite model (vision tower, ...) and a mixture of experts (an expert no token of a step chose
+    has no gradient) keep Transformers' default, as does any value the user set. A model given by
+    name (TRL loads it) is left alone too."""
+    if training_args is None or getattr(training_args, "ddp_find_unused_parameters", True) is not None:
+        return
+    config = getattr(model, "config", None) if isinstance(model, torch.nn.Module) else None
+    get_text = getattr(config, "get_text_config", None)
+    if config is None or not callable(get_text) or get_text(decoder=True) is not config or _has_experts(config):
+        return
+    training_args.ddp_find_unused_parameters = False
+
+
+def _has_experts(config) -> bool:
+    """Whether a config routes tokens to experts (any positive `*expert*` count: num_experts,
+    num_local_experts, n_routed_experts, ...)."""
+    return any("expert" in name and isinstance(value, int) and not isinstance(value, bool) and value > 0
+               for name, value in config.to_dict().items())
 
 
 def _without_targets(batch: dict) -> bool:

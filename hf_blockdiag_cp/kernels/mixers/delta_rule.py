@@ -17,7 +17,7 @@ from .registry import MixerDims, MixerKernelRecord, RunTable, register_mixer_ker
 
 # Where the fla delta rule was checked forward and backward against an fp32 reference
 # (tests/gpu/test_mixer_kernels_gpu.py): (compute capability major, dtype, (Dk, Dv), with states).
-# One H200, fla 0.6.0 with TileLang 0.1.15; results in docs/models.md ("Mixer kernels").
+# One H200, fla 0.6.0 with TileLang 0.1.15; results in docs/models.md ("Kernels").
 FLA_VERIFIED: frozenset[tuple[int, torch.dtype, tuple[int, int], bool]] = frozenset({
     (9, torch.bfloat16, (128, 128), False),
     (9, torch.bfloat16, (128, 128), True),
