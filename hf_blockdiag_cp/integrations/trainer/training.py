@@ -32,7 +32,7 @@ from accelerate.utils import send_to_device
 from transformers import Trainer, TrainerCallback
 
 from ...comm.consensus import agree
-from ...comm.mesh import DPCPCoordinates
+from ...comm.parallel_dims import ParallelDims
 from ...compat.transformers import trainer_reads_loss_scaling_flag
 from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
@@ -60,7 +60,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
       cp_size: ranks per CP group (1 = no CP, packing only). The world must be a multiple.
       max_tokens: tokens per pack (required; a multiple of 2*cp_size).
       cp_mesh: optional 1-D DeviceMesh or ProcessGroup of this rank's CP group; it must hold ranks
-        [dp*cp_size, (dp+1)*cp_size). Default: `hf_blockdiag_cp.comm.build_dp_cp_mesh(...).cp`.
+        [dp*cp_size, (dp+1)*cp_size). Default: `ParallelDims(cp=cp_size).build_mesh(...).cp`.
       cp_config: the `CPConfig` of every CP step (kernel, exchange, layout; default: the process
         default, `configure_cp`). Its layout shards training and evaluation packs.
       pad_token_id, packing_buffer_size, oversize ("split"|"raise"), shuffle, length_key:
@@ -114,7 +114,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         check_trainer_setup(self, cp_size)
         check_train_dataset(self.train_dataset)  # at construction: empty, the Trainer would end at once and exit 0
         self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
-        self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
+        self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
 
     # ---------------------------------------------------------------- data

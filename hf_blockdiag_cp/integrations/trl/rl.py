@@ -20,7 +20,7 @@ import contextlib
 import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from ...comm.mesh import DPCPCoordinates
+from ...comm.parallel_dims import ParallelDims
 from ...config import CPConfig, default_config
 from ...data.completions import CompletionRows
 from ...model_patches import apply_model_patches
@@ -69,7 +69,7 @@ class RLCPMixin:
         if self.ref_model is not None:
             check_reference(self.model, self.ref_model)
             apply_model_patches(self.accelerator.unwrap_model(self.ref_model))
-        self.cp_coordinates = DPCPCoordinates(self.args.world_size, self.args.process_index, cp_size)
+        self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
         self.cp_pad_token_id = pad_token_of(self.processing_class)
 
