@@ -1,7 +1,7 @@
 """`BlockdiagCPGRPOTrainer` / `BlockdiagCPRLOOTrainer` on real gloo groups against TRL's own trainers
 run the stock way at the same world size (`helpers.rl`): the same prompts on each rank, the same
-injected completions (1 to 2,000 tokens, some truncated), the stock model with eager attention on
-padded rows. Every step's loss and grad norm ≤ 1e-4 relative, every logged metric ≤ 1e-5, the last
+injected completions (1 to 2,000 tokens at G = 1 and 2, up to 500 beyond, some truncated), the stock
+model with eager attention on padded rows. Every step's loss and grad norm ≤ 1e-4 relative, every logged metric ≤ 1e-5, the last
 step's every parameter gradient ≤ 1e-4 relative.
 """
 
@@ -19,6 +19,9 @@ GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", 
 
 
 SHORT = {"lengths": (1, 7, 60, 200, 3, 15), "max_completion_length": 200}  # completions up to 200 tokens
+# Up to 500 tokens: at G >= 3 and dp x cp a truncated completion still spans two or three shards, at a
+# quarter of the eager reference's padded attention cost of 2,000 (G = 1 and 2 run those).
+MEDIUM = {"lengths": (1, 7, 60, 500, 3, 200, 15, 500), "max_completion_length": 500}
 
 
 def _run(kind: str, path: str, ours: bool, rank: int, world_size: int, settings: dict, **kwargs) -> dict:
@@ -61,8 +64,10 @@ def _check(runs, what: str) -> None:
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 def test_grpo_matches_trl_per_family(gloo, cp_size):
     """llama and qwen3_5 at G = 1..4: the KL term (beta > 0) at odd G, activation checkpointing at even G,
-    two iterations over the same completions (the old policy's log-probs, a clipped ratio) at G = 3."""
-    settings = {"beta": 0.04 if cp_size % 2 else 0.0, **(checkpointing_settings(False) if cp_size % 2 == 0 else {})}
+    two iterations over the same completions (the old policy's log-probs, a clipped ratio) at G = 3;
+    completions up to 2,000 tokens at G = 1 and 2, up to 500 at G = 3 and 4."""
+    settings = {"beta": 0.04 if cp_size % 2 else 0.0, **(checkpointing_settings(False) if cp_size % 2 == 0 else {}),
+                **(MEDIUM if cp_size >= 3 else {})}
     if cp_size == 3:
         settings.update(num_iterations=2, max_steps=2)
     runs = gloo(cp_size).run(rl_case, timeout=900, kind="grpo", families=("llama", "qwen3_5"), cp_size=cp_size,
@@ -82,19 +87,19 @@ def test_every_grpo_loss_type_matches_trl(gloo):
 def test_grpo_dp_x_cp_matches_trl(gloo):
     """Two CP groups of two ranks (dp 2 x cp 2): each rank its own prompts, as TRL at world size 4."""
     runs = gloo(4).run(rl_case, timeout=900, kind="grpo", families=("qwen3_5",), cp_size=2,
-                       variants={"grpo": {"beta": 0.04, "scale_rewards": "batch"}})
+                       variants={"grpo": {"beta": 0.04, "scale_rewards": "batch", **MEDIUM}})
     _check(runs, "GRPO dp2xcp2")
 
 
 def test_rloo_matches_trl(gloo):
     """RLOO (its KL in the reward) at G = 2 (cp = 1 is the path the GRPO tests take at G = 1): llama over
-    two iterations on completions up to 2,000 tokens; qwen3_5 one step on completions up to 200. RLOO's
+    two iterations on completions up to 500 tokens; qwen3_5 one step on completions up to 200. RLOO's
     loss is ~0 at each step (its leave-one-out advantages cancel), and for qwen3_5 the second
     iteration's difference of the two fp32 runs (the stock model's and ours, both off float64 by the
     recurrence's rounding) reaches 1e-4 of the loss's scale; the GRPO tests run qwen3_5 at 2,000
-    tokens and two iterations."""
+    tokens (G = 1, 2) and over two iterations (G = 3)."""
     pool = gloo(2)
-    for family, extra in (("llama", {"num_iterations": 2, "max_steps": 2}), ("qwen3_5", SHORT)):
+    for family, extra in (("llama", {"num_iterations": 2, "max_steps": 2, **MEDIUM}), ("qwen3_5", SHORT)):
         runs = pool.run(rl_case, timeout=900, kind="rloo", families=(family,), cp_size=2,
                         variants={"rloo": {"beta": 0.04, **extra}})
         _check(runs, "RLOO G=2")
