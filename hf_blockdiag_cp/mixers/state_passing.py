@@ -28,7 +28,7 @@ import torch
 
 from ..comm.blocks import after, all_gather_blocks
 from ..kernels.mixers.buckets import with_zero_row
-from ..kernels.mixers.registry import MixerDims, MixerKernelRecord, RunTable
+from ..kernels.mixers.registry import MixerDims, MixerKernelRecord
 from ..planning.mixer_plan import ConvHaloPlan, MixerRuns, MixerShape, StatePassingPlan, plan_conv_halo, plan_state_passing
 from .context import MixerContext
 

@@ -92,7 +92,7 @@ def _best_swap(a, b, length, offset, per_run, hi_cost, lo_cost, kernel_cost: Ker
     step_x = max(kernel_cost.tile_q, 1)
     la, lb = length[a][:, None], length[b][None, :]
     most = np.minimum(la, lb)  # [A, B]: the rows a swap of these two runs can move
-    best = None
+    best = best_x = None  # best_x: the coarse grid's best x of each pair, the centre of the fine grid
     for grid in range(2):
         if grid == 0:
             frac = np.linspace(0.0, 1.0, 17)[1:]
@@ -113,6 +113,7 @@ def _best_swap(a, b, length, offset, per_run, hi_cost, lo_cost, kernel_cost: Ker
         if best is None or peak[i, j, k] < best[0]:
             best = (float(peak[i, j, k]), int(a[i]), int(b[j]), int(x[i, j, k]))
     return best
+
 
 def balanced_slot_positions(
     boundaries: torch.Tensor,
