@@ -1,8 +1,8 @@
 """`BlockdiagCPGRPOTrainer` / `BlockdiagCPRLOOTrainer` on real gloo groups against TRL's own trainers
 run the stock way at the same world size (`helpers.rl`): the same prompts on each rank, the same
 injected completions (1 to 2,000 tokens at G = 1 and 2, up to 500 beyond, some truncated), the stock
-model with eager attention on padded rows. Every step's loss and grad norm ≤ 1e-4 relative, every logged metric ≤ 1e-5, the last
-step's every parameter gradient ≤ 1e-4 relative.
+model with eager attention on padded rows. Every step's loss and grad norm ≤ 1e-4 relative, every
+logged metric ≤ 1e-5, the last step's every parameter gradient ≤ 1e-4 relative.
 """
 
 from __future__ import annotations
