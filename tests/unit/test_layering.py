@@ -105,9 +105,21 @@ def test_kernel_kinds_do_not_import_each_other():
 
 
 def test_the_runtime_never_imports_bench():
-    """bench/ is an optional subpackage (the CLI and calibration, docs/design.md) that the runtime never
-    loads: no layer below it imports it (test_layers_depend_only_downward), nor does the package root, and
-    no runtime module names it in a string (an `importlib.import_module` by name)."""
+    """bench/ is an optional subpackage (the CLI and calibration, docs/design.md): importing the library and
+    its integrations must not load it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hf_blockdiag_cp, hf_blockdiag_cp.integrations.trainer, hf_blockdiag_cp.integrations.trl; "
+            "print(sorted(m for m in sys.modules if m.startswith('hf_blockdiag_cp.bench')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_no_runtime_module_names_bench():
+    """Nor can a later path load it: the package root imports no bench module, and no runtime module names
+    it in a string (an `importlib.import_module` by name); the layers below bench never import it
+    (test_layers_depend_only_downward)."""
     root = PACKAGE / "__init__.py"
     assert not {name for _, name in _imported_layers(("hf_blockdiag_cp", "__init__"), root) if ".bench" in name}
     named = [".".join(parts) for layer, parts, path in _modules() if layer != "bench"
