@@ -1,7 +1,8 @@
 """What `hf_blockdiag_cp/compat/` relies on in each upstream, checked against the installed version:
 each test fails with a message naming the upstream, the version found and the range the library was
 checked with (`TESTED` of the module), so an upstream change shows here rather than as a wrong
-result elsewhere. Run at both ends of the range (docs/testing.md, "The supported versions")."""
+result elsewhere. Run at both ends of the range (docs/testing.md, "The supported versions"). TRL's
+part has its own file, test_trl_compat.py."""
 
 from __future__ import annotations
 
@@ -127,29 +128,6 @@ def test_transformers_trainer_reads_the_loss_scaling_flag_from_5_19():
     assert reads == transformers_compat.trainer_reads_loss_scaling_flag(), _changed(
         transformers_compat, f"Trainer.training_step {'reads' if reads else 'does not read'} loss_is_scaled_for_ga",
         transformers.__version__)
-
-
-# --------------------------------------------------------------------------- trl
-
-
-def test_trl_prepares_a_dataset_as_for_evaluation(tmp_path):
-    """`prepare_like_trl` on a stock SFTTrainer: text becomes TRL's packed rows (input_ids, seq_lengths)."""
-    pytest.importorskip("trl")
-    import trl
-    from trl import SFTTrainer
-
-    from hf_blockdiag_cp.compat import trl as trl_compat
-    from helpers.sft import char_tokenizer, sft_config, sft_dataset
-
-    trainer = SFTTrainer(model=tiny_model("sdpa"), args=sft_config(str(tmp_path)), train_dataset=sft_dataset("text"),
-                         processing_class=char_tokenizer())
-    try:
-        prepared = trl_compat.prepare_like_trl(trainer, sft_dataset("text"), "test")
-    except (AttributeError, TypeError) as exc:
-        pytest.fail(_changed(trl_compat, f"SFTTrainer's dataset preparation changed: {exc!r}", trl.__version__))
-    assert {"input_ids", "seq_lengths"} <= set(prepared.column_names), _changed(
-        trl_compat, f"SFTTrainer._prepare_dataset gave columns {prepared.column_names}", trl.__version__)
-    assert len(prepared) < len(sft_dataset("text")), "the documents were not packed"
 
 
 # --------------------------------------------------------------------------- liger-kernel

@@ -2,13 +2,14 @@
 block-diagonal CP (`sft`, its loader `packs`, its token metrics `metrics`), and the preference
 trainers on packed pairs (`preference`): `BlockdiagCPDPOTrainer` (`dpo`, its losses `dpo_loss`) and
 `BlockdiagCPRewardTrainer` (`reward`); the RL trainers `BlockdiagCPGRPOTrainer` and
-`BlockdiagCPRLOOTrainer` (`rl`), TRL's own with CP log-probs of the completions. Needs the `[trl]` extra (trl >= 1.16)."""
+`BlockdiagCPRLOOTrainer` (`rl`), TRL's own with CP log-probs of the completions. Needs the `[trl]`
+extra (TRL 1.16: `compat.trl`)."""
 
 try:
     import trl  # noqa: F401
 except ImportError as exc:  # pragma: no cover - trl is optional
     raise ImportError(
-        "hf_blockdiag_cp.integrations.trl needs TRL: pip install 'hf_blockdiag_cp[trl]' (trl >= 1.16)"
+        "hf_blockdiag_cp.integrations.trl needs TRL: pip install 'hf_blockdiag_cp[trl]' (TRL 1.16)"
     ) from exc
 
 from .dpo import BlockdiagCPDPOTrainer

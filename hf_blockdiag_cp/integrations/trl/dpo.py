@@ -8,7 +8,7 @@ is sharded over the CP group. The policy and the reference run on the same shard
 completion log-probs come per document from `logprobs.document_log_probs` (no `[tokens, vocab]`
 logits), and TRL 1.16's losses and metrics are computed from those sums (`dpo_loss`), per pair.
 
-The reference: `ref_model` (same architecture and vocabulary; it must use `blockdiag_cp` too), else
+The reference: `ref_model` (same architecture and vocabulary; run on `blockdiag_cp` like the policy), else
 for a PEFT policy the policy with its adapters disabled (or its "ref" adapter), else the log-probs
 precomputed before training (`precompute_ref_log_probs=True`, packed the same way).
 """
@@ -20,15 +20,16 @@ import contextlib
 import torch
 import torch.distributed as dist
 from trl import DPOConfig, DPOTrainer
-from trl.trainer.utils import use_adapter
 
+from ...compat.trl import overrides, use_adapter
 from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
-from ...model_patches import apply_model_patches
 from ..trainer.setup import world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .setup import check_reference, is_peft, pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
+from .setup import (
+    is_peft, pack_size, pad_token_of, prepare_reference, refuse_aux_loss, require_pair_columns, warn_if_unverified_trl,
+)
 
 DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
             "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",
@@ -51,6 +52,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
                  cp_config=None, cp_mesh=None, **kwargs):
+        warn_if_unverified_trl()
         if not isinstance(args, DPOConfig):
             raise ValueError(f"args must be a trl.DPOConfig; got {type(args).__name__}")
         check_loss_types(args)
@@ -69,14 +71,14 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         if self.aux_loss_enabled:
             refuse_aux_loss(args, "DPOConfig", enabled=True)
         if self.ref_model is not None:
-            check_reference(self.model, self.ref_model)
-            apply_model_patches(self.accelerator.unwrap_model(self.ref_model))
+            prepare_reference(self.model, self.ref_model)
         self._check_pairs()
         for name in self._pending_reference:  # TRL asked for them during its __init__, before the CP setup
             self._store_reference(name)
 
     # ---------------------------------------------------------------- data
 
+    @overrides("DPOTrainer")
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         """TRL's preparation; a pre-tokenized dataset (prompt_ids, chosen_ids, rejected_ids) as given."""
         columns = require_pair_columns(dataset, dataset_name, ("prompt_ids", "chosen_ids", "rejected_ids"))
@@ -95,6 +97,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
 
     # ---------------------------------------------------------------- reference log-probs
 
+    @overrides("DPOTrainer")
     def _precompute_ref_logps(self, dataset, name: str, batch_size: int):
         """The reference's log-probs as dataset columns, computed packed under CP (TRL's columns)."""
         if not hasattr(self, "cp_coordinates"):  # during DPOTrainer.__init__: after the CP setup

@@ -11,8 +11,8 @@ as TRL averages them.
 from __future__ import annotations
 
 import torch
-from trl.trainer.utils import entropy_from_logits
 
+from ...compat.trl import entropy_from_logits
 from ...step import IGNORE_INDEX
 from ..trainer.setup import sum_over_world
 

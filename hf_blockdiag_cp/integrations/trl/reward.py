@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 from trl import RewardConfig, RewardTrainer
 
+from ...compat.trl import overrides
 from ...data.pairs import WholePairs
 from ...logprobs import per_document_sum
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .setup import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns
+from .setup import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns, warn_if_unverified_trl
 
 REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
 REWARD_EXTREMES = ("neg_min_reward", "max_reward")
@@ -82,6 +83,7 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
                  eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
                  cp_config=None, cp_mesh=None, **kwargs):
+        warn_if_unverified_trl()
         if not isinstance(args, RewardConfig):
             raise ValueError(f"args must be a trl.RewardConfig; got {type(args).__name__}")
         refuse_aux_loss(args, "RewardConfig")
@@ -94,6 +96,7 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
         score_module(self.model)
         self._check_pairs()
 
+    @overrides("RewardTrainer")
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         require_pair_columns(dataset, dataset_name, ("chosen_ids", "rejected_ids"))
         return super()._prepare_dataset(dataset, processing_class, args, dataset_name)

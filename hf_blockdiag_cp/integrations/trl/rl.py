@@ -21,6 +21,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from ...comm.parallel_dims import ParallelDims
+from ...compat.trl import logps_result, overrides
 from ...config import CPConfig, default_config
 from ...data.completions import CompletionRows
 from ...model_patches import apply_model_patches
@@ -33,7 +34,7 @@ from ..trainer.setup import (
     resolve_cp_mesh,
     sum_over_world,
 )
-from .setup import check_reference, pad_token_of, refuse_aux_loss
+from .setup import pad_token_of, prepare_reference, refuse_aux_loss, warn_if_unverified_trl
 
 
 class RLCPMixin:
@@ -50,6 +51,7 @@ class RLCPMixin:
 
     def __init__(self, *args, cp_size: int = 1, cp_config: CPConfig | None = None, cp_mesh=None,
                  max_tokens: int | None = None, **kwargs):
+        warn_if_unverified_trl()
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         name = self.config_class.__name__
         if not isinstance(training_args, self.config_class):
@@ -67,8 +69,7 @@ class RLCPMixin:
         apply_model_patches(self.accelerator.unwrap_model(self.model))
         check_model_setup(self.model, self.args.world_size, cp_size, checkpointing_kwargs(self.args), cache_allowed=True)
         if self.ref_model is not None:
-            check_reference(self.model, self.ref_model)
-            apply_model_patches(self.accelerator.unwrap_model(self.ref_model))
+            prepare_reference(self.model, self.ref_model)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
         self.cp_pad_token_id = pad_token_of(self.processing_class)
@@ -87,6 +88,7 @@ class RLCPMixin:
             finally:
                 self._step_scope = None
 
+    @overrides("GRPOTrainer", "RLOOTrainer")
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **model_inputs):
         """TRL's per-token log-probs ([B, logits_to_keep]) and entropies of the completion tokens, from
@@ -111,7 +113,7 @@ class RLCPMixin:
                 pad_token_id=self.cp_pad_token_id, temperature=self.temperature, stats=stats, scope=self._step_scope)
             logps.append(values)
             entropies.append(extra.get("entropy"))
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+        return logps_result(torch.cat(logps), torch.cat(entropies) if compute_entropy else None)
 
     def _check_forward(self, pieces: list[list[CompletionRows]]) -> None:
         """Refuse, on every rank alike (one all-reduce over the world), a forward that trains on no

@@ -1,11 +1,19 @@
-"""Setup checks of the preference trainers: the pack size, the datasets' columns, the reference model,
-MoE auxiliary losses. Each raises ValueError naming the field, on every rank alike."""
+"""Setup of the TRL trainers: the pack size, the datasets' columns, the reference model (switched to
+`blockdiag_cp`), MoE auxiliary losses, the TRL release. Each check raises ValueError naming the field,
+on every rank alike."""
 
 from __future__ import annotations
 
+import logging
+
+from ...comm.notice import warn_once
+from ...compat.transformers import attn_implementation
+from ...compat.trl import unverified_message
+from ...model_patches import apply_model_patches
 from ...step.model_support import configured_model
 from ..transformers import ATTN_IMPLEMENTATION
-from ...compat.transformers import attn_implementation
+
+logger = logging.getLogger(__name__)
 
 
 def pack_size(max_tokens: int | None, max_length: int | None, cp_size: int) -> int:
@@ -64,8 +72,10 @@ def _base(model):
     return get_base() if callable(get_base) and is_peft(inner) else inner
 
 
-def check_reference(model, ref_model) -> None:
-    """Raise unless `ref_model` is the policy's architecture with its vocabulary, on `blockdiag_cp`."""
+def prepare_reference(model, ref_model) -> None:
+    """Raise unless `ref_model` is the policy's architecture with its vocabulary; then run it as the policy
+    runs: on `blockdiag_cp` attention (switched here, logged once at INFO, when it was loaded with another
+    implementation) with the policy's model patches."""
     policy, ref = _base(model), configured_model(ref_model)
     if type(ref).__name__ != type(policy).__name__ or ref.config.model_type != policy.config.model_type:
         raise ValueError(
@@ -80,11 +90,19 @@ def check_reference(model, ref_model) -> None:
         )
     impl = attn_implementation(ref.config)
     if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"ref_model's attention implementation is {impl!r}; expected {ATTN_IMPLEMENTATION!r} (load it with "
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} or call ref_model.set_attn_implementation("
-            f"{ATTN_IMPLEMENTATION!r})): it runs on the policy's CP shards"
-        )
+        ref.set_attn_implementation(ATTN_IMPLEMENTATION)
+        warn_once(logger, ("reference attention", impl),
+                  f"blockdiag_cp: the reference model was loaded with attn_implementation={impl!r}; it now runs on "
+                  f"{ATTN_IMPLEMENTATION!r}, as the policy does, on the policy's CP shards", level=logging.INFO)
+    apply_model_patches(ref)
+
+
+def warn_if_unverified_trl() -> None:
+    """Log, once per process on rank 0, one line when the installed TRL is not a release the trainers
+    were verified on (`compat.trl.VERIFIED`)."""
+    message = unverified_message()
+    if message is not None:
+        warn_once(logger, ("trl version", message), message)
 
 
 def pad_token_of(processing_class) -> int:

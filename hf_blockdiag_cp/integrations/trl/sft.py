@@ -28,15 +28,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from trl import SFTConfig, SFTTrainer
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-from ...compat.trl import prepare_like_trl
+from ...compat.trl import DataCollatorForLanguageModeling, prepare_like_trl
 from ...config import CPConfig
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
 from ..trainer.setup import check_world
 from .metrics import TokenMetrics
 from .packs import prepacked_dataloader
+from .setup import warn_if_unverified_trl
 
 
 def check_sft_config(args, cp_size: int, launched: bool = False) -> None:
@@ -88,6 +88,7 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, *args, cp_size: int = 1, cp_config: CPConfig | None = None, cp_mesh=None, **kwargs):
+        warn_if_unverified_trl()
         sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         check_sft_config(sft_args, cp_size, launched=True)
         if kwargs.get("data_collator", args[2] if len(args) > 2 else None) is not None:
