@@ -1,7 +1,7 @@
-"""The example scripts' share of issue 51 (bad input, second pass), through their data and model
-loading functions (no launcher needed: each case fails, or is quiet, before any process group):
-a model folder without tokenizer files, a dataset that its own filter empties, an empty data file,
-the demo's split warning about its own corpus, and examples/README.md naming every `--tiny-arch`."""
+"""Bad input to the example scripts, through their data and model loading functions (no launcher
+needed: each case fails, or is quiet, before any process group): a model folder without tokenizer
+files, a dataset that its own filter empties, an empty data file, the demo's split warning about its
+own corpus, and examples/README.md naming every `--tiny-arch`."""
 
 from __future__ import annotations
 

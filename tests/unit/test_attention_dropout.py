@@ -1,6 +1,6 @@
 """`attention.dropout`: the config attribute that holds a family's attention dropout, read from real
-Transformers configs and attention modules, and the one-line error that names it (issue 51: GPT-2's
-field is `attn_pdrop`; setting `attention_dropout` on its config changes nothing)."""
+Transformers configs and attention modules, and the one-line error that names it (GPT-2's field is
+`attn_pdrop`: setting `attention_dropout` on its config changes nothing)."""
 
 from __future__ import annotations
 

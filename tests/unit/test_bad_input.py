@@ -1,4 +1,4 @@
-"""Bad input a new user meets, second pass (issue 51), in one process: each case ends in one error
+"""Bad input a new user meets, in one process: each case ends in one error
 line that names the real field and what to do, before any work is spent; nothing trains silently on
 nothing. The every-rank versions of the pack cases (ids, document_ids against position_ids) are in
 multiprocess/test_bad_packs.py; the example scripts' cases in e2e/test_example_bad_input.py."""

@@ -157,7 +157,7 @@ def test_oversize_split_and_raise(caplog):
     assert [r.levelno for r in caplog.records if "examples[0] has 20 tokens, more than max_tokens=8: it is split" in
             r.getMessage()] == [logging.WARNING], caplog.text
     assert [p[0].tolist() for p in pieces] == [list(range(1, 9)), list(range(9, 17)), list(range(17, 21))]
-    # Collating it raises (its pieces never fit one pack), saying where splitting happens (issue 51).
+    # Collating it raises (its pieces never fit one pack), saying where splitting happens.
     with pytest.raises(ValueError, match=r"examples\[0\] has 20 tokens, more than max_tokens=8: a call collates ONE "
                                          r"pack.*PackedBatchSampler"):
         splitter([long_doc])
