@@ -24,6 +24,8 @@ never over tp: TP ranks compute the same tokens.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 from ..compat.torch import flatten_mesh, unflatten_mesh
@@ -224,9 +226,12 @@ class ParallelDims:
         A world of one process gets a mesh of size 1 (a CP group of one: the step runs unsharded),
         over a one-process group this call starts when none exists, so `python train.py` and a
         launcher run the same code. Raises if the mesh places this rank elsewhere than this object.
+
+        One grid shape and device type get one mesh per default process group: a second call returns
+        the first call's meshes and creates no process group (each gloo group holds its own threads
+        and sockets). A new default process group (after `destroy_process_group`) gets new meshes.
         """
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         if self.world_size == 1 and not dist.is_initialized():
             # No launcher: a process group of this process alone (an in-memory store, no network).
@@ -236,6 +241,17 @@ class ParallelDims:
                 f"ParallelDims places rank {self.rank} of world size {self.world_size}, but this process is rank "
                 f"{dist.get_rank()} of {dist.get_world_size()} in the default process group"
             )
+        with _MESHES.lock:
+            meshes = _MESHES.of(dist.group.WORLD)
+            key = (self.shape, device_type)
+            if key not in meshes:
+                meshes[key] = self._new_mesh(device_type)
+            return meshes[key]
+
+    def _new_mesh(self, device_type: str) -> ParallelMesh:
+        """`build_mesh`'s meshes, their process groups created now."""
+        from torch.distributed.device_mesh import init_device_mesh
+
         world = init_device_mesh(device_type, self.shape, mesh_dim_names=DIMS)
         placed = tuple(world[name].get_local_rank() for name in DIMS)
         expected = (self.dp_replicate_rank, self.dp_shard_rank, self.cp_rank, self.tp_rank)
@@ -282,6 +298,25 @@ def check_tp_mesh(tp_mesh, cp_group) -> None:
             f"cp_mesh and tp_mesh share ranks {shared}; expected only this rank ({dist.get_rank()}): they must be two "
             "dimensions of one grid (ParallelDims(...).build_mesh(device_type): its .cp and .tp)"
         )
+
+
+class _MeshCache:
+    """The meshes `build_mesh` made over one default process group, by (shape, device type); emptied
+    when the default group is another object (destroyed and started again). Holds the group by a
+    weak reference, so a destroyed group is not kept alive."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._group = None
+        self._meshes: dict = {}
+
+    def of(self, default_group) -> dict:
+        if self._group is None or self._group() is not default_group:
+            self._group, self._meshes = weakref.ref(default_group), {}
+        return self._meshes
+
+
+_MESHES = _MeshCache()
 
 
 def _process_group_place() -> tuple[int, int]:

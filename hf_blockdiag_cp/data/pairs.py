@@ -5,8 +5,9 @@ sampler packs pairs by their total length (`PackedBatchSampler` over pair length
 than the pack refused), and `PairPackCollator` builds the pack, shards it for this CP rank and adds a
 `PairBatch`: how many pairs the pack holds, the dataset rows they came from, their completion
 lengths and, if the dataset carries them, the reference log-probs and margins. Per-position streams
-that a trainer needs on the shard (weights per target, the last token of each sequence) are
-computed on the full pack here and sharded with it (`step.local_rows`).
+that a trainer needs on the shard (weights per target, the token where a sequence classifier reads each
+sequence's score: `pooled_position`) are computed on the full pack here and sharded with it
+(`step.local_rows`), so a stream's token may sit on any rank.
 
 What a pair's two sequences are (prompt + completion, truncated as TRL truncates, or whole
 sequences) is a small picklable `PairReader` callable, so the collator runs in DataLoader workers.
@@ -113,6 +114,17 @@ class PairBatch:
                        streams={k: move(v) for k, v in self.streams.items()})
 
 
+def pooled_position(ids: torch.Tensor, pad_token_id: int | None) -> int:
+    """The position where a Transformers sequence classifier reads the score of the sequence `ids` (the rule of
+    `GenericForSequenceClassification` and the model-specific classifiers, transformers 5.17 to 5.25): its last
+    token that is not `pad_token_id`, so a pad token equal to EOS moves it to the token before an appended EOS;
+    0 when every token is `pad_token_id`; the last token when `pad_token_id` is None (the rule for one row)."""
+    if pad_token_id is None:
+        return ids.numel() - 1
+    kept = (ids != pad_token_id).nonzero()
+    return int(kept[-1]) if kept.numel() else 0
+
+
 def shared_length_weights(labels: list[torch.Tensor], alpha: float) -> list[torch.Tensor]:
     """LD-DPO's per-target weights of a pair's two sequences (TRL's `ld_alpha`): 1 for the first
     min(chosen, rejected) completion targets of each sequence, `alpha` for the rest, 0 off targets."""
@@ -132,18 +144,24 @@ class PairPackCollator:
     labels: whether the sequences carry labels (the prompt -100); without, the pack has no labels.
     pair_columns: dataset columns copied per pair into `PairBatch.values` (missing ones are skipped).
     ld_alpha: with labels, add the `target_weight` stream (`shared_length_weights`).
-    last_token: add the `last_token` stream (1.0 at each sequence's last token).
+    last_token: add the `last_token` stream, 1.0 at the token where a sequence classifier whose config has
+    `pad_token_id=classifier_pad_token_id` reads each sequence's score (`pooled_position`; None: the last
+    token). It is the classifier's pad token, not the pack's `pad_token_id` (padding is marked by document ids).
     """
 
     def __init__(self, sequences: PairReader, max_tokens: int, pad_token_id: int, cp_size: int, cp_rank: int,
                  cp_config: CPConfig | None = None, *, labels: bool = True, pair_columns: Sequence[str] = (),
-                 ld_alpha: float | None = None, last_token: bool = False):
+                 ld_alpha: float | None = None, last_token: bool = False, classifier_pad_token_id: int | None = None):
+        if classifier_pad_token_id is not None and (isinstance(classifier_pad_token_id, bool)
+                                                    or not isinstance(classifier_pad_token_id, int)):
+            raise ValueError(f"classifier_pad_token_id must be an int or None; got {classifier_pad_token_id!r}")
         self.packer = BlockdiagCPCollator(max_tokens, pad_token_id, cp_size, cp_rank, "raise", cp_config)
         self.sequences = sequences
         self.labels = labels
         self.pair_columns = tuple(pair_columns)
         self.ld_alpha = ld_alpha
         self.last_token = last_token
+        self.classifier_pad_token_id = classifier_pad_token_id
 
     def __call__(self, items: list[tuple[int, dict]]) -> dict:
         docs, completion, indices = [], [], []
@@ -171,9 +189,12 @@ class PairPackCollator:
     def _streams(self, docs: list[dict], info) -> dict[str, torch.Tensor]:
         streams = {}
         if self.last_token:
-            last = torch.cat([torch.nn.functional.pad(torch.zeros(d["input_ids"].numel() - 1), (0, 1), value=1.0)
-                              for d in docs])
-            streams["last_token"] = local_rows(last, info)
+            marks = []
+            for doc in docs:
+                mark = torch.zeros(doc["input_ids"].numel())
+                mark[pooled_position(doc["input_ids"], self.classifier_pad_token_id)] = 1.0
+                marks.append(mark)
+            streams["last_token"] = local_rows(torch.cat(marks), info)
         if self.ld_alpha is not None and self.labels:
             weights = [w for i in range(0, len(docs), 2)
                        for w in shared_length_weights([docs[i]["labels"], docs[i + 1]["labels"]], self.ld_alpha)]

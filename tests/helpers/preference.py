@@ -91,6 +91,26 @@ def preference_rows(count: int = 8, seed: int = 3, long_chars: int = 0) -> list[
     return rows
 
 
+def equal_length_rows(count: int = 4, seed: int = 6, prompt_chars: int = 9, completion_chars: int = 23) -> list[dict]:
+    """Text pairs whose sequences all have the same length (prompt, completion, EOS): a stock padded batch of
+    them holds no padding, so only the model's own pooling rule picks the token it scores."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        prompt, chosen, rejected = (_sentence(rng, 12)[:n] for n in (prompt_chars, completion_chars, completion_chars))
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
+PAD_TOKENS = {"distinct": "<pad>", "eos": None}  # the tokenizer variants: a pad token of its own, or none (pad = EOS)
+
+
+def pad_tokenizer(pad: str):
+    """The character tokenizer with a distinct pad token (`"distinct"`) or without one (`"eos"`: the trainers pad
+    with EOS, so a sequence classifier's last non-pad token is the one before the appended EOS)."""
+    return char_tokenizer(PAD_TOKENS[pad])
+
+
 def preference_dataset(rows: list[dict]):
     """`rows` as a `datasets.Dataset`, its fingerprint given (a hash of the rows): datasets then never
     hashes the table itself, which fails with some wheel sets on the GPU machine (docs/testing.md)."""

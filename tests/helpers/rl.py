@@ -134,7 +134,8 @@ def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
 
 
 def rl_trainer(kind: str, model, args, ours: bool, lengths: tuple[int, ...] = LENGTHS, **kwargs):
-    """TRL's trainer (ours=False) or ours, with the completions injected and two reward functions."""
+    """TRL's trainer (ours=False) or ours, with the completions injected and two reward functions; `pad_token`
+    (a kwarg) is the character tokenizer's (None: none, so TRL pads with EOS)."""
     from trl import GRPOTrainer, RLOOTrainer
 
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPGRPOTrainer, BlockdiagCPRLOOTrainer
@@ -145,7 +146,7 @@ def rl_trainer(kind: str, model, args, ours: bool, lengths: tuple[int, ...] = LE
                {"_returns_logprobs": kind == "grpo", "completion_lengths": lengths})
     trainer = cls(model=model, reward_funcs=[count_a, count_vowels], args=args,
                   train_dataset=preference_dataset(kwargs.pop("rows", prompt_rows())),
-                  processing_class=char_tokenizer(), **kwargs)
+                  processing_class=char_tokenizer(kwargs.pop("pad_token", "<pad>")), **kwargs)
     if trainer.ref_model is not None:
         perturb(trainer.ref_model)
     return trainer

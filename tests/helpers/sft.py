@@ -30,15 +30,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def char_tokenizer():
-    """A character-level fast tokenizer (one token per character of CHARS), pad and eos as TRL needs them."""
+def char_tokenizer(pad_token: str | None = "<pad>"):
+    """A character-level fast tokenizer (one token per character of CHARS), pad and eos as TRL needs them;
+    `pad_token=None` leaves it without a pad token, as Llama-3-style tokenizers are (TRL's trainers then
+    set pad = eos: padding and the appended EOS are the same token)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {**{t: i for i, t in enumerate(SPECIALS)}, **CHAR_IDS}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=pad_token, eos_token="<eos>", unk_token="<unk>",
                                    chat_template=CHAT_TEMPLATE)
 
 

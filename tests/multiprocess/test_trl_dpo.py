@@ -279,3 +279,50 @@ def test_dpo_dataset_formats_match_trl_on_text(gloo, kind):
     want = stock_dpo("llama", ("sigmoid",))
     for rank, got in enumerate(gloo(2).run(format_case, timeout=300, kind=kind)):
         compare_runs(got, want, f"{kind} rank {rank}", DPO_METRICS)
+
+
+# --------------------------------------------------------------------------- a tokenizer whose pad token is EOS
+
+def _eos_pad_run(trainer_cls, out: str, rows: list[dict], pairs_per_batch: dict, **kwargs) -> dict:
+    from helpers.preference import pad_tokenizer
+
+    policy = policy_model("llama", kwargs.pop("attn"))
+    capture = GradCapture()
+    trainer = quiet(trainer_cls(model=policy, ref_model=reference_model(policy), args=dpo_config(out, len(rows), **pairs_per_batch),
+                                train_dataset=preference_dataset(rows), eval_dataset=preference_dataset(rows),
+                                processing_class=pad_tokenizer("eos"), callbacks=[capture], **kwargs))
+    evaluated = trainer.evaluate()
+    trainer.train()
+    return {"logs": training_logs(trainer), "grads": capture.grads, "eval": evaluated}
+
+
+@functools.cache
+def stock_dpo_eos_pad() -> dict:
+    """TRL's DPOTrainer, stock (llama, one padded batch, one process) with a tokenizer without a pad token."""
+    import tempfile
+
+    from trl import DPOTrainer
+
+    rows = preference_rows(**ROWS)
+    with tempfile.TemporaryDirectory() as out:
+        return _eos_pad_run(DPOTrainer, out, rows, {"per_device_train_batch_size": len(rows)}, attn="eager")
+
+
+def eos_pad_case(rank, world_size, group):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    with accelerate_env(rank, world_size) as out:
+        return _eos_pad_run(BlockdiagCPDPOTrainer, out, preference_rows(**ROWS), {}, attn="blockdiag_cp",
+                            cp_size=world_size, max_tokens=PACK)
+
+
+def test_eos_as_pad_token_matches_trl(gloo):
+    """G = 2, a tokenizer without a pad token (TRL pads with EOS, as for Llama-3-style tokenizers; each
+    completion ends in EOS): evaluate() and one training step equal TRL's stock DPOTrainer."""
+    want = stock_dpo_eos_pad()
+    for rank, got in enumerate(gloo(2).run(eos_pad_case, timeout=300)):
+        what = f"pad = EOS rank {rank}"
+        compare_runs(got, want, what, DPO_METRICS)
+        for name in EVAL_METRICS:
+            bound = 1e-5 * max(1.0, abs(want["eval"][name]))
+            assert abs(got["eval"][name] - want["eval"][name]) <= bound, f"{what}: {name} {got['eval'][name]} vs {want['eval'][name]}"

@@ -14,8 +14,8 @@ pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from helpers.preference import (  # noqa: E402
-    FAMILIES, PACK, ROWS, GradCapture, char_tokenizer, compare_runs, preference_dataset, preference_rows, reward_classifier,
-    reward_config, training_logs,
+    FAMILIES, PACK, PAD_TOKENS, ROWS, GradCapture, char_tokenizer, compare_runs, equal_length_rows, pad_tokenizer,
+    preference_dataset, preference_rows, reward_classifier, reward_config, training_logs,
 )
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
 
@@ -76,3 +76,69 @@ def test_reward_matches_trl_per_family(gloo, cp_size):
         want = stock_reward(family, True, 0.01)
         for rank, got in enumerate(runs):
             compare_runs(got[family], want, f"{family} G={cp_size} rank {rank}", REWARD_METRICS)
+
+
+# --------------------------------------------------------------------------- where the reward is read
+
+EVAL_METRICS = ("eval_loss", "eval_min_reward", "eval_mean_reward", "eval_max_reward", "eval_accuracy", "eval_margin")
+
+
+def _evaluate_then_train(trainer, capture) -> dict:
+    """evaluate() on the mixed-length eval pairs and on equal-length ones, then one training step."""
+    evaluated = {"mixed": trainer.evaluate(), "equal": trainer.evaluate(preference_dataset(equal_length_rows()))}
+    trainer.train()
+    return {"eval": evaluated, "logs": training_logs(trainer), "grads": capture.grads}
+
+
+@functools.cache
+def stock_pooling(pad: str) -> dict:
+    """TRL's RewardTrainer, stock (eager llama classifier, one padded batch, one process) with the `pad`
+    tokenizer: the model's own forward scores each sequence at its last non-pad token."""
+    import tempfile
+
+    from trl import RewardTrainer
+
+    rows = _rows(False)
+    with tempfile.TemporaryDirectory() as out:
+        capture = GradCapture()
+        trainer = quiet(RewardTrainer(
+            model=reward_classifier("llama", "eager"), args=reward_config(out, len(rows), per_device_train_batch_size=len(rows)),
+            train_dataset=preference_dataset(rows), eval_dataset=preference_dataset(rows), processing_class=pad_tokenizer(pad),
+            callbacks=[capture]))
+        return _evaluate_then_train(trainer, capture)
+
+
+def pooling_case(rank, world_size, group, cp_size, pads):
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPRewardTrainer
+
+    rows = _rows(False)
+    results = {}
+    for pad in pads:
+        with accelerate_env(rank, world_size) as out:
+            capture = GradCapture()
+            trainer = quiet(BlockdiagCPRewardTrainer(
+                model=reward_classifier("llama", "blockdiag_cp"), args=reward_config(out, len(rows)),
+                train_dataset=preference_dataset(rows), eval_dataset=preference_dataset(rows),
+                processing_class=pad_tokenizer(pad), cp_size=cp_size, max_tokens=PACK, callbacks=[capture]))
+            results[pad] = _evaluate_then_train(trainer, capture)
+    return results
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_reward_is_read_where_the_model_pools(gloo, cp_size):
+    """A tokenizer without a pad token (TRL pads with EOS, as for Llama-3-style tokenizers: the classifier's
+    last non-pad token is the one before the appended EOS) and one with its own pad token, at G = 1..4:
+    evaluate() on mixed-length pairs (the long one across three shards at G = 4) and on equal-length
+    pairs (no padding in the stock batch), then one training step, against TRL's own RewardTrainer."""
+    stock = {pad: stock_pooling(pad) for pad in PAD_TOKENS}
+    moved = abs(stock["eos"]["eval"]["mixed"]["eval_loss"] - stock["distinct"]["eval"]["mixed"]["eval_loss"])
+    assert moved > 100 * 1e-5, f"the pad token does not move the stock scores ({moved:.1e}): the test could not fail"
+    runs = gloo(cp_size).run(pooling_case, timeout=300, cp_size=cp_size, pads=tuple(PAD_TOKENS))
+    for rank, got in enumerate(runs):
+        for pad, want in stock.items():
+            what = f"pad {pad} G={cp_size} rank {rank}"
+            for rows, metrics in want["eval"].items():
+                for name in EVAL_METRICS:
+                    value, ref = got[pad]["eval"][rows][name], metrics[name]
+                    assert abs(value - ref) <= 1e-5 * max(1.0, abs(ref)), f"{what} {rows} pairs: {name} {value} vs {ref}"
+            compare_runs(got[pad], want, what, REWARD_METRICS)

@@ -103,3 +103,29 @@ def test_rloo_matches_trl(gloo):
         runs = pool.run(rl_case, timeout=900, kind="rloo", families=(family,), cp_size=2,
                         variants={"rloo": {"beta": 0.04, **extra}})
         _check(runs, "RLOO G=2")
+
+
+def eos_pad_case(rank, world_size, group, kinds, settings):
+    """GRPO and RLOO (stock and ours, llama) with a tokenizer without a pad token: TRL pads prompts and
+    completions with EOS, so only the attention mask tells padding from a real EOS."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    results = {}
+    with tempfile.TemporaryDirectory() as directory:
+        holder = [saved_policy("llama", directory) if rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        for kind in kinds:
+            stock = _run(kind, holder[0], False, rank, world_size, settings, pad_token=None)
+            ours = _run(kind, holder[0], True, rank, world_size, settings, cp_size=world_size, pad_token=None)
+            results["llama", kind] = (ours, stock)
+        dist.barrier()
+    return results
+
+
+def test_eos_as_pad_token_matches_trl(gloo):
+    """G = 2, GRPO and RLOO with the KL term, completions up to 200 tokens (EOS-padded after the shorter
+    ones, left-padded prompts): every step's loss, grad norm and metric and the gradients equal TRL's."""
+    runs = gloo(2).run(eos_pad_case, timeout=600, kinds=("grpo", "rloo"), settings={"beta": 0.04, **SHORT})
+    _check(runs, "pad = EOS G=2")

@@ -36,7 +36,7 @@ from helpers.sft import (  # noqa: E402
     stock_token_metrics,
 )
 from helpers.trainer import accelerate_env, counting_attention, quiet, tiny_model  # noqa: E402
-from helpers.trainer_reference import assert_same_training  # noqa: E402
+from helpers.trainer_reference import assert_same_training, stock_eval_loss  # noqa: E402
 
 EVAL_TOL = 1e-5
 LOSS_TOL = 1e-5
@@ -116,10 +116,12 @@ TOKEN_METRICS = ("num_tokens", "mean_token_accuracy", "entropy")
 reduce_rows = trl_metrics.sum_over_world
 
 
-def train_case(rank, world_size, group, cp_size, stock=False, transformers_version=None, lora=False, **overrides):
+def train_case(rank, world_size, group, cp_size, stock=False, transformers_version=None, lora=False, pad_token="<pad>",
+               **overrides):
     """Train on the text dataset; the logs, weights and TRL's packs, and (under CP) `evaluate()` after training.
     `transformers_version`: the version TRL reads during the run (its branches for older releases);
-    `lora`: LoRA adapters through TRL's `peft_config` (the same initial adapters in every run)."""
+    `lora`: LoRA adapters through TRL's `peft_config` (the same initial adapters in every run);
+    `pad_token`: the tokenizer's (None: none, so TRL pads with EOS)."""
     import contextlib
 
     import torch
@@ -135,7 +137,7 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
         trl_reads = trl_base.transformers.__version__
         model = tiny_model("sdpa" if stock else "blockdiag_cp")
         kwargs = dict(model=model, args=sft_config(out, **overrides), train_dataset=sft_dataset("text"),
-                      processing_class=char_tokenizer())
+                      processing_class=char_tokenizer(pad_token))
         if lora:
             from peft import LoraConfig
 
@@ -227,3 +229,21 @@ def test_training_and_eval_log_trl_token_metrics(cp_training, stock_training):
         assert trained["mean_token_accuracy"] > 0.1, f"the trained reference is too weak a check: {trained}"
         assert_token_metrics(got["eval"], trained, f"rank {rank} evaluate", prefix="eval_")
         assert got["eval"]["eval_num_tokens"] == epoch_tokens * STEPS, f"rank {rank}: {got['eval']}"
+
+
+def test_eos_as_pad_token_trains_like_the_stock_sft_trainer(gloo):
+    """A tokenizer without a pad token (TRL pads with EOS; every text ends in EOS): cp = 2 takes the stock
+    SFTTrainer's optimizer step over the epoch (loss, grad norm, weights, TRL's token metrics), and
+    `evaluate()` after it gives the trained stock model's loss on every document alone."""
+    import torch
+
+    ref = gloo(1).run(train_case, timeout=240, cp_size=1, stock=True, pad_token=None, max_steps=1)[0]
+    for rank, got in enumerate(gloo(2).run(train_case, timeout=240, cp_size=2, pad_token=None, max_steps=1)):
+        assert_same_training(got, ref, f"pad = EOS rank {rank}", steps=1)
+        for name in TOKEN_METRICS:
+            assert abs(got["metrics"][0][name] - ref["metrics"][0][name]) <= METRIC_TOL, (
+                f"rank {rank}: {name} is {got['metrics'][0][name]}; stock SFTTrainer logs {ref['metrics'][0][name]}")
+        docs = [{"input_ids": doc.tolist()} for row in got["rows"]["eval"]
+                for doc in torch.tensor(row["input_ids"]).split(list(row["seq_lengths"]))]
+        trained = stock_eval_loss(docs, weights=got["weights"])
+        assert abs(got["eval"]["eval_loss"] - trained) <= EVAL_TOL * trained, f"rank {rank}: {got['eval']} vs {trained}"

@@ -1,11 +1,15 @@
 """`BlockdiagCPRewardTrainer`: TRL's `RewardTrainer` on packed pairs under exact block-diagonal CP.
 
 A sequence classifier (`AutoModelForSequenceClassification`, `num_labels=1`) scores every token of its
-shard; the reward of a sequence is the score at its last token, which may sit on any rank of the CP
-group: each rank keeps the scores of the last tokens it holds (`PairBatch.streams["last_token"]`) and
-one differentiable all-reduce gives every rank every sequence's reward (`logprobs.per_document_sum`).
-The model's own pooling (the last non-padding token of its shard) is not used. TRL's pairwise loss
-(with its `margin` column and `center_rewards_coefficient`) and its metrics follow, per pair.
+shard. The reward of a sequence is the score where the model's own sequence-classification forward reads
+it (what `pipeline("text-classification")` and every later user of the model read): its last token that is
+not the model's `config.pad_token_id` (`data.pairs.pooled_position`). TRL sets that id to the tokenizer's
+pad token, which is EOS for tokenizers without one (Llama-3 style), so the reward is then read on the
+token before the appended EOS. That token may sit on any rank of the CP group: each rank keeps the scores
+of the pooled tokens it holds (`PairBatch.streams["last_token"]`) and one differentiable all-reduce gives
+every rank every sequence's reward (`logprobs.per_document_sum`). The model's own pooling over the packed
+shard is not used. TRL's pairwise loss (with its `margin` column and `center_rewards_coefficient`) and its
+metrics follow, per pair.
 """
 
 from __future__ import annotations
@@ -40,6 +44,28 @@ def score_module(model) -> torch.nn.Module:
     return head
 
 
+def classifier_pad_token_id(model) -> int | None:
+    """The pad token id under which the model's sequence-classification forward pools each sequence (its
+    `config.get_text_config().pad_token_id`; TRL's RewardTrainer sets it from the tokenizer). None: the last
+    token. Raises ValueError where the config holds no usable id."""
+    inner = configured_model(model)
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(inner).__name__
+    if text is None or not hasattr(text, "pad_token_id"):
+        raise ValueError(
+            f"{name}'s config has no pad_token_id; expected an int (or None): a sequence classifier reads each "
+            "sequence's score at its last token that is not config.pad_token_id, and the reward is read there"
+        )
+    pad = text.pad_token_id
+    if pad is not None and (isinstance(pad, bool) or not isinstance(pad, int)):
+        raise ValueError(
+            f"{name}'s config.pad_token_id is {pad!r}; expected an int (or None): a sequence classifier reads each "
+            "sequence's score at its last token that is not that id"
+        )
+    return pad
+
+
 @contextlib.contextmanager
 def captured_scores(model):
     """Yields a dict that holds, after the forward, the score head's output `[1, L, num_labels]`."""
@@ -56,8 +82,8 @@ def captured_scores(model):
 
 
 def sequence_rewards(model, local: dict, last_token: torch.Tensor) -> torch.Tensor:
-    """[D] the reward of every sequence of the pack (its last token's score), the same on every rank of
-    the CP group, differentiable; `last_token` [1, L] marks the shard's last tokens."""
+    """[D] the reward of every sequence of the pack (the score at its pooled token), the same on every rank
+    of the CP group, differentiable; `last_token` [1, L] marks the shard's pooled tokens."""
     step = local.get(STEP_KWARG)
     with captured_scores(model) as box:
         model(**local)
@@ -94,6 +120,7 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
             max_tokens=pack_size(max_tokens, args.max_length, cp_size), pad_token_id=pad_token_of(processing_class),
             cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         score_module(self.model)
+        classifier_pad_token_id(self.model)
         self._check_pairs()
 
     @overrides("RewardTrainer")
@@ -105,7 +132,8 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
         return WholePairs()
 
     def _pair_collator_options(self) -> dict:
-        return dict(labels=False, pair_columns=("margin",), last_token=True)
+        return dict(labels=False, pair_columns=("margin",), last_token=True,
+                    classifier_pad_token_id=classifier_pad_token_id(self.model))
 
     def _pair_losses(self, model, local: dict, pairs, mode: str, counted: bool) -> torch.Tensor:
         rewards = sequence_rewards(model, local, pairs.streams["last_token"]).view(pairs.pairs, 2)
