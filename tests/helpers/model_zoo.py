@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -144,7 +145,9 @@ def vl_image_docs(seed: int = 5):
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "qwen3_5_moe", "olmo_hybrid")
 CONV_FAMILIES = ("lfm2", "lfm2_moe")  # short gated convolution (model_patches/lfm2.py)
-KDA_FAMILIES = ("kimi_linear", "bailing_hybrid")  # KDA: the delta rule with a decay per key channel
+# KDA: the delta rule with a decay per key channel. Bailing-Hybrid came to Transformers after 5.17 (the
+# floor): its cases run where the installed release has it.
+KDA_FAMILIES = ("kimi_linear",) + (("bailing_hybrid",) if hasattr(transformers, "BailingHybridConfig") else ())
 HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
 HYBRID_KEY_HEADS = 2  # head-parallel CP only at G = 2; state passing at every G
 

@@ -44,7 +44,10 @@ def _inputs(rows: int, seed: int):
 
 
 def _per_run(table, q, k, v, decay, beta, initial):
-    """Transformers' rule on each document run alone (batch of one); padding runs give zeros."""
+    """Transformers' rule on each document run alone (batch of one); padding runs give zeros. Each key
+    head serves HV // HK consecutive value heads, repeated here as the stock layer does before 5.25's
+    rule does it itself."""
+    q, k = q.repeat_interleave(HV // HK, dim=1), k.repeat_interleave(HV // HK, dim=1)
     outs, finals = [], []
     bounds = table.runs.boundaries.tolist()
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
