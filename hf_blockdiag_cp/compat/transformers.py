@@ -56,10 +56,27 @@ def trainer_reads_loss_scaling_flag() -> bool:
     return Version(transformers.__version__) >= Version("5.19.0")
 
 
+# The first release whose `PreTrainedModel._expand_parallel_plan` and three-argument
+# `apply_tensor_parallelism` the tensor-parallel path uses (5.17 to 5.22 have neither).
+TP_MIN_TRANSFORMERS = "5.23.0"
+
+
+def tensor_parallel_supported() -> bool:
+    """Whether the installed Transformers has what `expanded_tp_plan` and `apply_tensor_parallel` call."""
+    import transformers
+
+    return Version(transformers.__version__) >= Version(TP_MIN_TRANSFORMERS)
+
+
 def expanded_tp_plan(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """`plan` with its wildcard module names expanded over `model` (`PreTrainedModel._expand_parallel_plan`;
     the public path, `from_pretrained(tp_plan=...)`, builds its own device mesh)."""
+    import transformers
+
     expand = getattr(model, "_expand_parallel_plan", None)
+    if expand is None and isinstance(model, transformers.PreTrainedModel) and not tensor_parallel_supported():
+        raise ImportError(f"tensor parallelism needs transformers >= {TP_MIN_TRANSFORMERS} (PreTrainedModel."
+                          f"_expand_parallel_plan); transformers {transformers.__version__} is installed: use tp=1")
     if expand is None:
         raise TypeError(f"{type(model).__name__} is not a Transformers PreTrainedModel with a parallel plan")
     return expand(plan)

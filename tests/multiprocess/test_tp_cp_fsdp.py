@@ -20,10 +20,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.compat.transformers import TP_MIN_TRANSFORMERS, tensor_parallel_supported
 from hf_blockdiag_cp.integrations.accelerate import wrap_model
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from helpers.model_zoo import build_hybrid_pair
 from helpers.reference import build_models, make_pack, reference_loss_and_grads, rel_err
+
+pytestmark = pytest.mark.skipif(not tensor_parallel_supported(),
+                                reason=f"tensor parallelism needs transformers >= {TP_MIN_TRANSFORMERS}")
 
 TOL = 1e-4
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cost=PAIR_COUNT)

@@ -179,6 +179,10 @@ def test_torch_device_mesh_flattens_and_unflattens_on_its_root():
 
 def test_transformers_expands_a_tp_plan_over_the_model():
     model = tiny_model("sdpa")
+    if not transformers_compat.tensor_parallel_supported():
+        with pytest.raises(ImportError, match=f"transformers >= {transformers_compat.TP_MIN_TRANSFORMERS}"):
+            transformers_compat.expanded_tp_plan(model, dict(model.tp_plan))
+        pytest.skip(f"tensor parallelism needs transformers >= {transformers_compat.TP_MIN_TRANSFORMERS}")
     plan = transformers_compat.expanded_tp_plan(model, dict(model.tp_plan))
     assert plan.get("model.layers.0.self_attn.q_proj") == "colwise", _changed(
         transformers_compat, f"_expand_parallel_plan gave {sorted(plan)[:4]}...", transformers.__version__)
