@@ -83,17 +83,18 @@ def _variants(world_size: int):
 
 
 def hybrid_parity_case(rank, world_size, group, family):
-    """Per variant: `within_rounding`'s loss error and worst parameter, and the parameters left without a
-    gradient; and whether the balanced layout permuted the pack."""
+    """Per variant: `within_rounding`'s loss error and worst parameter (rank 0, which builds the
+    references: the means over ranks are the same everywhere) and this rank's parameters left without
+    a gradient; and whether the balanced layout permuted the pack."""
     ref, model = build_hybrid_pair(family)
     results, permuted, references = {}, False, {}
     for pack, strategy, checkpointing, transport in _variants(world_size):
         docs, batch = long_pack(world_size) if pack == "long" else make_pack(pack, world_size)
         if pack not in references:  # the variants of one pack share its references
-            references[pack] = fp32_references(ref, docs)
+            references[pack] = fp32_references(ref, docs) if rank == 0 else None
         trained, loss, moved = _run(model, batch, group, strategy, checkpointing, transport)
         permuted |= moved and strategy == "balanced"
-        errors = within_rounding(trained, loss, references[pack], group, world_size)
+        errors = within_rounding(trained, loss, references[pack], group, world_size) or {}
         # DDP and FSDP expect a gradient of every parameter on every rank, a padding-only rank's too
         errors["without gradient"] = [n for n, p in trained.named_parameters() if p.grad is None]
         results[f"{pack}/{strategy}{'+ac' if checkpointing else ''}/{transport}"] = errors
@@ -127,12 +128,14 @@ def test_hybrid_matches_per_document_reference(gloo, family, world_size):
     for rank, (results, permuted) in enumerate(outputs):
         for variant, errors in results.items():
             where = f"{family} G={world_size} rank {rank} {variant}"
+            assert not errors["without gradient"], f"{where}: no gradient for {errors['without gradient']}"
+            if rank > 0:
+                continue
             assert errors["loss"] <= TOL, f"{where}: loss relative error {errors['loss']:.2e}"
             name, ours, stock, bound = errors["worst"]
             assert ours <= bound, (
                 f"{where}: {name} relative error {ours:.2e} against float64, above {bound:.2e} "
                 f"(the stock fp32 model's error {stock:.2e})")
-            assert not errors["without gradient"], f"{where}: no gradient for {errors['without gradient']}"
         if world_size > 1:  # the balanced layout really reordered the pack (else it tested nothing new)
             assert permuted, f"G={world_size}: the balanced layout left the pack contiguous"
 
