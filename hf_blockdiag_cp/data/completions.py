@@ -10,6 +10,10 @@ new policy log-probs of one batch agree to the bit however the trainer shuffled 
 CP rank's shard with its slot stream: at shard position t, the slot of the
 target predicted there (the label at t + 1 of the global pack, as the shard step shifts it), -1 for
 none.
+
+The shard carries its targets as `shift_labels` only, without `labels`: a pack whose completions are
+all masked (TRL's `mask_truncated_completions`) is an RL micro-batch that trains nothing, as in TRL,
+not the broken label masking that `CPConfig.no_target_packs` warns about or refuses.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def completion_pack(ranks: Sequence[CompletionRows], pad_token_id: int, cp_size:
                     cp_config: CPConfig | None = None) -> tuple[dict, torch.Tensor]:
     """The rows of every rank of the CP group, in rank order, as one pack sharded for `cp_rank`, and
     its slot stream `[1, L_local]` (slots numbered over the ranks in order: rank r's from the sum of
-    the earlier ranks' `slots`)."""
+    the earlier ranks' `slots`). The shard has `shift_labels` and no `labels` (module docstring)."""
     docs, streams, offset = [], [], 0
     for rows in ranks:
         d, s = rows.documents(offset)
@@ -127,4 +131,5 @@ def completion_pack(ranks: Sequence[CompletionRows], pad_token_id: int, cp_size:
     total = sum(d["input_ids"].numel() for d in docs)
     collator = BlockdiagCPCollator(pack_length(total, cp_size), pad_token_id, cp_size, cp_rank, "raise", cp_config)
     local = collator.shard(collator.pack(docs))
+    del local["labels"]  # the targets are shift_labels (module docstring)
     return local, local_rows(torch.cat(streams), local[SHARD_KEY], fill=NO_SLOT)

@@ -11,7 +11,9 @@ parameter gradient (before the optimizer step) and every logged metric must equa
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import dataclass
 
 from helpers.preference import (  # noqa: F401 (re-exported)
     GradCapture, char_tokenizer, compare_runs, policy_model, preference_dataset, training_logs,
@@ -41,15 +43,34 @@ def completion_ids(prompt: list[int], place: int, lengths: tuple[int, ...] = LEN
     return ids
 
 
+@dataclass(frozen=True)
+class LengthSchedule:
+    """Completion lengths by generation and rank: `steps[g][r % len(steps[g])]` at the g-th generation
+    (the last entry repeats). A rank whose lengths all equal `max_completion_length` gets only truncated
+    completions: with `mask_truncated_completions` its micro-batch holds no completion token."""
+
+    steps: tuple[tuple[tuple[int, ...], ...], ...]
+
+    def at(self, generation: int, rank: int) -> tuple[int, ...]:
+        step = self.steps[min(generation, len(self.steps) - 1)]
+        return step[rank % len(step)]
+
+
 class InjectedCompletions:
     """Mix in before a TRL RL trainer: its generation returns `completion_ids` (GRPO's `(ids, logprobs)`,
-    RLOO's ids) instead of sampling; `lengths` sets the completion lengths by place."""
+    RLOO's ids) instead of sampling; `lengths` sets the completion lengths by place (a tuple), or by
+    generation, rank and place (a `LengthSchedule`)."""
 
-    completion_lengths = LENGTHS
+    completion_lengths: "tuple[int, ...] | LengthSchedule" = LENGTHS
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         longest = self.args.max_completion_length
-        ids = [completion_ids(list(p), place, self.completion_lengths, longest) for place, p in enumerate(prompt_ids)]
+        lengths = self.completion_lengths
+        if isinstance(lengths, LengthSchedule):
+            generation = getattr(self, "_injected_generations", 0)
+            self._injected_generations = generation + 1
+            lengths = lengths.at(generation, self.accelerator.process_index)
+        ids = [completion_ids(list(p), place, lengths, longest) for place, p in enumerate(prompt_ids)]
         return (ids, None) if self._returns_logprobs else ids
 
 
@@ -65,14 +86,17 @@ def count_vowels(completions, **kwargs) -> list[float]:
 
 
 class LastGrads(TrainerCallback):
-    """Every parameter's gradient right before the last optimizer step, by parameter name."""
+    """Every parameter's gradient right before the last optimizer step, by parameter name, and at every
+    step the names of the parameters that have a gradient (`with_grad`)."""
 
     def __init__(self):
         self.grads: dict = {}
+        self.with_grad: list[list[str]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         inner = getattr(model, "module", model)
         self.grads = {n: p.grad.detach().cpu().clone() for n, p in inner.named_parameters() if p.grad is not None}
+        self.with_grad.append(sorted(self.grads))
 
 
 RELATIVE = ("loss", "grad_norm")  # compared relative (LOSS_TOL); every other logged value absolute (METRIC_TOL)
@@ -90,11 +114,16 @@ def compare_rl_runs(got: dict, want: dict, what: str) -> None:
         for name, value in wlog.items():
             if name in NOT_COMPARED:
                 continue
+            if value is None or math.isnan(value):  # TRL logs None (nan) where no completion token was left
+                mine = glog[name]
+                assert mine is None or math.isnan(mine), f"{what} step {step + 1}: {name} {mine} vs {value}"
+                continue
             # The policy loss is a mean of advantage-weighted ratios, 0 on-policy up to rounding: relative
             # to its terms' scale (the rewards' spread), not to its own value
             scale = max(abs(value), wlog.get("reward_std", 0.0)) if name == "loss" else abs(value)
             bound = LOSS_TOL * scale if name in RELATIVE else METRIC_TOL * max(1.0, abs(value))
             assert abs(glog[name] - value) <= bound, f"{what} step {step + 1}: {name} {glog[name]} vs {value}"
+    assert got.get("with_grad") == want.get("with_grad"), f"{what}: the parameters with a gradient differ at some step"
     assert set(got["grads"]) == set(want["grads"]), f"{what}: gradients of {set(got['grads']) ^ set(want['grads'])}"
     for name, ref in want["grads"].items():
         err = float((got["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
@@ -130,7 +159,7 @@ def perturb(model, scale: float = 0.05, seed: int = 1) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.device, p.dtype))
 
 
 def rl_trainer(kind: str, model, args, ours: bool, lengths: tuple[int, ...] = LENGTHS, **kwargs):

@@ -2,7 +2,8 @@
 run the stock way at the same world size (`helpers.rl`): the same prompts on each rank, the same
 injected completions (1 to 2,000 tokens at G = 1 and 2, up to 500 beyond, some truncated), the stock
 model with eager attention on padded rows. Every step's loss and grad norm ≤ 1e-4 relative, every
-logged metric ≤ 1e-5, the last step's every parameter gradient ≤ 1e-4 relative.
+logged metric ≤ 1e-5, the last step's every parameter gradient ≤ 1e-4 relative. A micro-batch whose
+completions are all truncated and masked trains on as in TRL, on every rank or on one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from helpers.rl import LastGrads, compare_rl_runs, model_kwargs, rl_config, rl_trainer, saved_policy  # noqa: E402
+from helpers.rl import (  # noqa: E402
+    LastGrads, LengthSchedule, compare_rl_runs, model_kwargs, rl_config, rl_trainer, saved_policy,
+)
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
 
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -33,7 +36,8 @@ def _run(kind: str, path: str, ours: bool, rank: int, world_size: int, settings:
         trainer = quiet(rl_trainer(kind, path, args, ours, callbacks=[capture],
                                    **({"lengths": lengths} if lengths else {}), **kwargs))
         trainer.train()
-        return {"logs": [h for h in trainer.state.log_history if "loss" in h], "grads": capture.grads, "steps": args.max_steps}
+        return {"logs": [h for h in trainer.state.log_history if "loss" in h], "grads": capture.grads,
+                "with_grad": capture.with_grad, "steps": args.max_steps}
 
 
 def rl_case(rank, world_size, group, kind, families, cp_size, variants):
@@ -48,8 +52,10 @@ def rl_case(rank, world_size, group, kind, families, cp_size, variants):
             holder = [saved_policy(family, directory) if rank == 0 else None]
             dist.broadcast_object_list(holder, src=0)  # rank 0's folder: every rank loads the same weights
             for name, settings in variants.items():
+                settings = dict(settings)
+                size = settings.pop("cp_size", cp_size)  # a variant may run its own CP size
                 stock = _run(kind, holder[0], False, rank, world_size, settings)
-                ours = _run(kind, holder[0], True, rank, world_size, settings, cp_size=cp_size)
+                ours = _run(kind, holder[0], True, rank, world_size, settings, cp_size=size)
                 results[family, name] = (ours, stock)
             dist.barrier()
     return results
@@ -103,6 +109,31 @@ def test_rloo_matches_trl(gloo):
         runs = pool.run(rl_case, timeout=900, kind="rloo", families=(family,), cp_size=2,
                         variants={"rloo": {"beta": 0.04, **extra}})
         _check(runs, "RLOO G=2")
+
+
+TRUNCATED = 24  # max_completion_length of the empty micro-batch tests: a completion this long is truncated
+EMPTY, MIXED = (TRUNCATED,), (1, 7, TRUNCATED, 3, 15, 20)  # all truncated (masked: nothing left) / some tokens left
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_an_empty_micro_batch_trains_on_like_trl(gloo, kind, world_size):
+    """mask_truncated_completions with every completion of a micro-batch truncated: step 1 leaves no
+    completion token on any rank (the whole CP group, the whole world), step 2 none on rank 0 only (one
+    rank's rows of its CP group; at dp 2 x cp 1, one whole CP group); at G = world size, and at world 2
+    also dp 2 x cp 1. Both steps run; loss, grad norm, every metric (None where TRL logs None), which
+    parameters have a gradient at each step and the last step's gradients equal TRL's own trainer's,
+    the KL term on (a reference forward without targets). At G = 2 with activation checkpointing, so
+    that DDP finds no unused parameter: a parameter left without a gradient would fail there."""
+    schedule = LengthSchedule(((EMPTY,), (EMPTY,) + (MIXED,) * (world_size - 1) if world_size > 1 else (MIXED,)))
+    settings = {"lengths": schedule, "max_completion_length": TRUNCATED, "mask_truncated_completions": True,
+                "beta": 0.04, "max_steps": 2}
+    variants = {f"cp{world_size}": settings}
+    if world_size == 2:
+        variants = {"cp2": {**settings, **checkpointing_settings(False)}, "dp2xcp1": {**settings, "cp_size": 1}}
+    runs = gloo(world_size).run(rl_case, timeout=600, kind=kind, families=("llama",), cp_size=world_size,
+                                variants=variants)
+    _check(runs, f"{kind.upper()} empty micro-batch, world {world_size}")
 
 
 def eos_pad_case(rank, world_size, group, kinds, settings):

@@ -49,11 +49,45 @@ def test_a_prompt_longer_than_the_pack_names_max_tokens_and_the_prompt(llama_pat
         _trainer(llama_path, rows=rows, trainer_kwargs={"max_tokens": 64}, train=True)
 
 
-def test_no_completion_token_after_masking_names_mask_truncated_completions(llama_path):
-    """Every completion reaches max_completion_length without EOS, and mask_truncated_completions drops them all."""
-    with pytest.raises(ValueError, match=r"mask_truncated_completions=True masks the completions that reach "
-                                         r"max_completion_length=16"):
-        _trainer(llama_path, lengths=(16,), mask_truncated_completions=True, train=True)
+def test_a_micro_batch_without_completion_tokens_is_no_error(llama_path):
+    """Every completion reaches max_completion_length without EOS and mask_truncated_completions masks them
+    all: TRL trains on silently (multiprocess/test_trl_rl.py compares the step with TRL's), and so does
+    the CP step, without the library's warning about packs without targets, under either policy."""
+    import logging
+
+    import hf_blockdiag_cp as bdcp
+    from helpers.logs import library_logs
+
+    for policy in ("warn", "raise"):
+        with library_logs(logging.WARNING) as messages:
+            trainer = _trainer(llama_path, lengths=(16,), mask_truncated_completions=True, train=True,
+                               trainer_kwargs={"cp_config": bdcp.CPConfig(no_target_packs=policy)})
+        logs = [h for h in trainer.state.log_history if "loss" in h]
+        assert len(logs) == 1 and logs[0]["grad_norm"] == 0.0, logs
+        assert not [m for m in messages if "target" in m], messages
+
+
+@pytest.mark.parametrize("kind, how", [("grpo", "config"), ("grpo", "launch"), ("rloo", "launch")])
+def test_deepspeed_is_refused_before_trl_builds_anything(kind, how, monkeypatch):
+    """DeepSpeed is refused as the Trainer path refuses it, from the settings alone (every rank alike, before
+    any collective): `GRPOConfig(deepspeed={...})` as a user writes it (it constructs only where deepspeed is
+    installed), or `accelerate launch --use_deepspeed`'s environment. The model path does not exist: the
+    refusal comes before TRL loads anything."""
+    import importlib.util
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPGRPOTrainer, BlockdiagCPRLOOTrainer
+
+    if how == "config" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("GRPOConfig(deepspeed=...) constructs only where deepspeed is installed")
+    trainer = {"grpo": BlockdiagCPGRPOTrainer, "rloo": BlockdiagCPRLOOTrainer}[kind]
+    with accelerate_env(0, 1) as out:
+        extra = {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}}
+        args = rl_config(kind, out, **(extra if how == "config" else {}))
+        if how == "launch":
+            monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+        expected = r"\.deepspeed is set" if how == "config" else r"ACCELERATE_USE_DEEPSPEED=true"
+        with pytest.raises(ValueError, match=expected + r".*expected no DeepSpeed.*Use DDP or FSDP2"):
+            trainer(model="/nonexistent/policy", reward_funcs=len, args=args)
 
 
 def test_rloo_takes_rloo_config(llama_path):

@@ -152,6 +152,23 @@ def check_no_foreign_parallelism(owner: str, parallelism_config) -> None:
         )
 
 
+def check_no_deepspeed(owner: str, args) -> None:
+    """Raise if DeepSpeed would wrap the model: `args.deepspeed` (a config file or dict), or accelerate's
+    launch environment (`accelerate launch --use_deepspeed`). Reads settings only: every rank raises
+    alike, before any collective."""
+    if getattr(args, "deepspeed", None):
+        found = f"{type(args).__name__}.deepspeed is set"
+    elif (getattr(args, "deepspeed_plugin", None) is not None
+          or os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"):
+        found = "DeepSpeed is on (ACCELERATE_USE_DEEPSPEED=true: accelerate launch --use_deepspeed)"
+    else:
+        return
+    raise ValueError(
+        f"{found}; expected no DeepSpeed: {owner} was not verified under DeepSpeed's engine (its loss scaling, and "
+        "ZeRO's parameter gathering around the CP step). Use DDP or FSDP2"
+    )
+
+
 def check_launched_world(args) -> None:
     """Raise if the launcher started several processes but TrainingArguments runs each alone: on a host
     without CUDA, transformers does that unless `use_cpu=True`."""

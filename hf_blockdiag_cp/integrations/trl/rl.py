@@ -28,6 +28,7 @@ from ...model_patches import apply_model_patches
 from ..completions import completion_log_probs, cp_group_of, gather_rows
 from ..trainer.setup import (
     check_model_setup,
+    check_no_deepspeed,
     check_no_foreign_parallelism,
     check_world,
     checkpointing_kwargs,
@@ -57,6 +58,7 @@ class RLCPMixin:
         if not isinstance(training_args, self.config_class):
             raise ValueError(f"args must be a trl.{name}; got {type(training_args).__name__}")
         check_no_foreign_parallelism(name, getattr(training_args, "parallelism_config", None))
+        check_no_deepspeed(type(self).__name__, training_args)
         check_world(training_args, cp_size)
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
@@ -116,32 +118,26 @@ class RLCPMixin:
         return logps_result(torch.cat(logps), torch.cat(entropies) if compute_entropy else None)
 
     def _check_forward(self, pieces: list[list[CompletionRows]]) -> None:
-        """Refuse, on every rank alike (one all-reduce over the world), a forward that trains on no
-        completion token or a pack over `max_tokens`; the message names the setting to change."""
+        """Refuse, on every rank alike (one all-reduce over the world), a forward whose pack would exceed
+        `max_tokens`; the message names the setting to change. A forward without any completion token
+        (every completion masked by `mask_truncated_completions`) runs like any other: TRL's losses weigh
+        the log-probs by the completion mask, so it trains nothing (zero gradients, on every parameter the
+        forward used) and logs what TRL logs for it."""
         tokens = [sum(sum(r.tokens()) for r in piece) for piece in pieces]
-        empty = torch.is_grad_enabled() and sum(r.targets() for piece in pieces for r in piece) == 0
         over = self.cp_max_tokens is not None and max(tokens) > self.cp_max_tokens
-        flags = sum_over_world(torch.tensor([int(empty), int(over)]), self.cp_coordinates.world_size)
+        if not int(sum_over_world(torch.tensor([int(over)]), self.cp_coordinates.world_size)[0]):
+            return
         name = self.config_class.__name__
-        if int(flags[0]):
-            raise ValueError(
-                "a training micro-batch holds no completion token to train on in some CP group: every completion is "
-                f"empty or masked ({name}.mask_truncated_completions={self.args.mask_truncated_completions} masks the "
-                f"completions that reach max_completion_length={self.args.max_completion_length}); raise "
-                "max_completion_length or set mask_truncated_completions=False"
-            )
-        if int(flags[1]):
-            if not over:
-                raise ValueError(f"another CP group's forward packs more than max_tokens={self.cp_max_tokens} tokens")
-            piece = pieces[tokens.index(max(tokens))]
-            longest = max(((r, b) for r in piece for b in range(r.rows)), key=lambda rb: rb[0].tokens()[rb[1]])
-            r, b = longest
-            prompt = int(r.attention_mask[b, : r.prompt_columns].sum())
-            raise ValueError(
-                f"the CP group's rows of one forward hold {max(tokens)} tokens, more than max_tokens={self.cp_max_tokens} "
-                f"(the longest: a prompt of {prompt} tokens and a completion of {r.tokens()[b] - prompt}); raise "
-                f"max_tokens, or lower {name}.per_device_train_batch_size, max_completion_length or the prompts' length"
-            )
+        if not over:
+            raise ValueError(f"another CP group's forward packs more than max_tokens={self.cp_max_tokens} tokens")
+        piece = pieces[tokens.index(max(tokens))]
+        r, b = max(((r, b) for r in piece for b in range(r.rows)), key=lambda rb: rb[0].tokens()[rb[1]])
+        prompt = int(r.attention_mask[b, : r.prompt_columns].sum())
+        raise ValueError(
+            f"the CP group's rows of one forward hold {max(tokens)} tokens, more than max_tokens={self.cp_max_tokens} "
+            f"(the longest: a prompt of {prompt} tokens and a completion of {r.tokens()[b] - prompt}); raise "
+            f"max_tokens, or lower {name}.per_device_train_batch_size, max_completion_length or the prompts' length"
+        )
 
 
 def _check_rl_config(args, name: str, cp_size: int, max_tokens: int | None) -> None:
