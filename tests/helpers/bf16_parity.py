@@ -3,7 +3,7 @@
 A run in bf16 is measured against the fp32 stock model run on each document unpacked, and so
 is the stock model itself in bf16 on the same documents; the CP run must stay within 1.5x the
 stock model's error on the flattened gradient of every parameter, and within 1e-2 on the loss.
-Shared by the GPU parity tests (`gpu/test_gpu.py`, `gpu/test_hybrid_gpu.py`).
+Shared by the GPU parity tests (`gpu/test_gpu.py`, `gpu/test_hybrid_gpu.py`, `gpu/test_trl_rl_gpu.py`).
 """
 
 from __future__ import annotations
@@ -60,3 +60,28 @@ def assert_bf16(results) -> None:
         for case, e in per_case.items():
             assert e["cp_grad_err"] <= GRAD_FACTOR * e["stock_grad_err"], f"rank {rank} {case}: {e}"
             assert e["cp_loss_err"] <= LOSS_TOL, f"rank {rank} {case}: {e}"
+
+
+# Per parameter group, over seeds (the TRL trainers' GPU tests: `gpu/test_trl_rl_gpu.py`)
+GROUPS = ("self_attn", "mlp", "other")
+
+
+def group_of(name: str) -> str:
+    """A parameter's group: attention, MLP, or the rest (embeddings, norms, the LM head)."""
+    return "self_attn" if ".self_attn." in name else "mlp" if ".mlp." in name else "other"
+
+
+def group_errors(grads: dict, reference: dict) -> dict[str, float]:
+    """Relative error against `reference` of each group's gradients, flattened into one vector."""
+    out = {}
+    for group in GROUPS:
+        names = [n for n in reference if group_of(n) == group]
+        out[group] = rel_err(flat_grads(grads, names), flat_grads(reference, names))
+    return out
+
+
+def median_ratios(ours: list[dict], stock: list[dict]) -> dict[str, float]:
+    """Per group, the median over seeds of ours / stock (the two `group_errors` of one seed)."""
+    import statistics
+
+    return {g: statistics.median(o[g] / s[g] for o, s in zip(ours, stock)) for g in GROUPS}
