@@ -27,32 +27,22 @@ logged them, `tokens_per_second`, `cp_size`, `dp_size`, `eval_loss` with `--eval
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import sys
+from pathlib import Path
 
 import torch
 
 import hf_blockdiag_cp as bdcp
+from hf_blockdiag_cp.integrations.demo import char_tokenizer, tiny_config
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from shared_args import (  # same folder: the examples' argument checks
-    OneLineParser,
-    add_cp_config_arguments,
-    check_launch,
-    check_ranges,
-    config_error,
-    cp_config,
-    dataset_error,
-    layout_error,
-    load_raw_dataset,
-    loaded,
-    one_line_errors,
-    process_group_closed,
-    tokenizer_error,
+from hf_blockdiag_cp.integrations.scripts import (
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, config_error,
+    cp_config_from_args, dataset_error, layout_error, load_raw_dataset, loaded, one_line_errors, process_group_closed,
+    tokenizer_error, write_outputs,
 )
-from train_packed import tiny_config  # the main job, same folder: its model
-from trainer_packed import add_schedule_arguments, report_run, run_metrics, training_arguments  # the Trainer example, same folder
-
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 
 def parse_args(argv=None):
@@ -63,7 +53,14 @@ def parse_args(argv=None):
                    "SFTTrainer takes (text, messages, prompt/completion, input_ids; default: generated sums)")
     p.add_argument("--examples", type=int, default=4000, help="generated prompt/completion examples (default dataset)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per pack: SFTConfig.max_length (a multiple of 2*cp)")
-    add_schedule_arguments(p)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
+    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     add_cp_config_arguments(p)
     p.add_argument("--fused-ce", action="store_true", help="Liger fused linear cross-entropy as the loss (CUDA with the "
@@ -86,18 +83,6 @@ def argument_error(args, world_size: int) -> str | None:
 
 
 # --------------------------------------------------------------------------- tokenizer, model, data
-
-
-def char_tokenizer():
-    """One token per printable ASCII character (and newline, tab), plus <pad>, <eos>, <unk>: no download."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
-    vocab = {token: i for i, token in enumerate(list(SPECIAL_TOKENS) + chars)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
 def build_model_and_tokenizer(args):
@@ -137,12 +122,39 @@ def load_data(args):
 
 
 def sft_config(args, world_size: int, cp_size: int):
-    """The Trainer example's TrainingArguments as an SFTConfig (TRL's own conversion), packing on."""
+    """One pack per micro-batch, `--packs-per-step` packs per optimizer step over the DP replicas, AdamW
+    (betas 0.9/0.95, no weight decay) or SGD at a constant rate; TRL packs (bfd) to `--max-length`."""
     from trl import SFTConfig
 
-    settings = training_arguments(args, world_size, cp_size).to_dict()
-    settings.update(packing=True, packing_strategy="bfd", max_length=args.max_length, bf16=args.bf16)
-    return SFTConfig(**settings)
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
+    return SFTConfig(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.packs_per_step // (world_size // cp_size), learning_rate=args.lr,
+        lr_scheduler_type="constant", optim="sgd" if args.optimizer == "sgd" else "adamw_torch", adam_beta1=0.9,
+        adam_beta2=0.95, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        **checkpointing_arguments(args.gradient_checkpointing), dataloader_drop_last=True,
+        dataloader_num_workers=args.num_workers, remove_unused_columns=False, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=use_cpu, seed=args.seed,
+        packing=True, packing_strategy="bfd", max_length=args.max_length,
+        bf16=args.bf16)  # explicit: TRL's default is True
+
+
+def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
+    """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
+    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
+    return {
+        "losses": [h["loss"] for h in steps],
+        "grad_norms": [h["grad_norm"] for h in steps],
+        "tokens_per_second": real / final["train_runtime"],
+        "cp_size": cp_size,
+        "dp_size": world_size // cp_size,
+        "world_size": world_size,
+        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
+        "real_tokens": real,
+        "train_runtime_s": final["train_runtime"],
+    }
 
 
 def main(argv=None) -> int:
@@ -163,14 +175,19 @@ def main(argv=None) -> int:
         eval_dataset=eval_data,
         processing_class=tokenizer,
         cp_size=cp_size,
-        cp_config=cp_config(args),
+        cp_config=cp_config_from_args(args),
     )
     trainer.train()
     metrics = run_metrics(trainer, world_size, cp_size)
     if args.eval:
         evaluated = trainer.evaluate()
         metrics.update(eval_loss=evaluated["eval_loss"], eval_tokens=evaluated["eval_tokens"])
-    report_run(trainer, args, metrics, "SFT", **({"eval_loss": metrics["eval_loss"]} if args.eval else {}))
+    if trainer.is_world_process_zero():
+        shown = {"eval_loss": metrics["eval_loss"]} if args.eval else {}
+        print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1),
+                          **shown}))
+        if args.output_dir:
+            write_outputs(Path(args.output_dir), metrics, f"SFT, dp={metrics['dp_size']} x cp={cp_size}")
     return 0
 
 

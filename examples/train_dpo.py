@@ -4,8 +4,8 @@
     torchrun --standalone --nproc-per-node 4 examples/train_dpo.py --cp-size 2          # CPU: dp=2 x cp=2
     accelerate launch --num_processes 8 examples/train_dpo.py --cp-size 4 --bf16 --attn-backend fa4
 
-Defaults: a tiny Llama built from a config (fp32, random init, seed `--seed`), the character-level
-tokenizer of `examples/sft_trl.py` and preference pairs made from the Python standard library (the
+Defaults: a tiny Llama built from a config (fp32, random init, seed `--seed`), a character-level
+tokenizer (`integrations.demo`) and preference pairs made from the Python standard library (the
 embedded corpus, `hf_blockdiag_cp.data.corpus`), so it runs offline: for a top-level function,
 prompt = its first `PROMPT_LINES` lines, chosen = the lines that follow (at most
 `CONTINUATION_LINES`, as many as fit in `--max-length` tokens) as written, rejected = the same
@@ -29,9 +29,9 @@ batch of those pairs.
 
 What goes where (the part a user copies):
 
-- model and `ref_model`: `attn_implementation="blockdiag_cp"` (after `import hf_blockdiag_cp`);
-  here `ref_model = copy.deepcopy(policy)` (without one: a PEFT policy's disabled adapters, or
-  `precompute_ref_log_probs=True`).
+- model: `attn_implementation="blockdiag_cp"` (after `import hf_blockdiag_cp`); `ref_model`: here
+  `copy.deepcopy(policy)` (the trainer runs a reference loaded with another attention on
+  `blockdiag_cp` too; without one: a PEFT policy's disabled adapters, or `precompute_ref_log_probs=True`).
 - `DPOConfig`: `per_device_train_batch_size=1` (one pack per micro-batch),
   `gradient_accumulation_steps` = packs per step / dp, `max_length` = TRL's per-sequence truncation,
   `bf16` explicitly (TRL's default is True); never `parallelism_config` (accelerate's own CP) nor
@@ -52,21 +52,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
+import os
 import random
 import sys
+from pathlib import Path
 
 import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
-from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES
-from sft_trl import SPECIAL_TOKENS, char_tokenizer  # the SFT example, same folder: its tokenizer
-from shared_args import (  # same folder: the examples' argument checks
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, config_error, cp_config, fail, layout_error,
-    loaded, one_line_errors, process_group_closed,
+from hf_blockdiag_cp.integrations.demo import CHAR_SPECIAL_TOKENS, char_tokenizer, tiny_config
+from hf_blockdiag_cp.integrations.scripts import (
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, config_error,
+    cp_config_from_args, fail, layout_error, loaded, one_line_errors, process_group_closed, write_outputs,
 )
-from train_packed import tiny_config  # the main job, same folder: its model
-from trainer_packed import add_schedule_arguments, report_run, run_metrics, training_arguments  # same folder
+from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES
 
 PROMPT_LINES = 2  # a pair's prompt: the function's first lines
 CONTINUATION_LINES = 10  # at most this many lines after them make the completions
@@ -89,7 +90,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval", action="store_true", help="hold out --eval-examples pairs; after training print eval_loss "
                    "and eval_rewards/accuracies (sharded evaluation: the mean over every eval pair)")
     p.add_argument("--eval-examples", type=int, default=64, help="pairs held out by --eval")
-    add_schedule_arguments(p)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
+    p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
     add_cp_config_arguments(p)
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 weights and optimizer)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (packing and sharding run there)")
@@ -147,7 +155,7 @@ def stdlib_pairs(count: int, seed: int, max_length: int):
     rows = []
     for doc in corpus.documents():
         text = doc.text.decode("utf-8", "replace")
-        if not text.startswith("def ") or not set(text) <= characters or any(t in text for t in SPECIAL_TOKENS):
+        if not text.startswith("def ") or not set(text) <= characters or any(t in text for t in CHAR_SPECIAL_TOKENS):
             continue
         lines = text.splitlines(keepends=True)
         prompt, chosen = "".join(lines[:PROMPT_LINES]), lines[PROMPT_LINES:PROMPT_LINES + CONTINUATION_LINES]
@@ -173,12 +181,39 @@ def load_data(args):
 
 
 def dpo_config(args, world_size: int, cp_size: int):
-    """The Trainer example's TrainingArguments as a DPOConfig (TRL's own conversion), with the DPO settings."""
+    """One pack per micro-batch, `--packs-per-step` packs per optimizer step over the DP replicas, AdamW
+    (betas 0.9/0.95, no weight decay) or SGD at a constant rate; TRL's `max_length`, `beta`, `loss_type`."""
     from trl import DPOConfig
 
-    settings = training_arguments(args, world_size, cp_size).to_dict()
-    settings.update(max_length=args.max_length, beta=args.beta, loss_type=args.loss_type, bf16=args.bf16)
-    return DPOConfig(**settings)
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") or not torch.cuda.is_available()
+    return DPOConfig(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=1,
+        gradient_accumulation_steps=args.packs_per_step // (world_size // cp_size), learning_rate=args.lr,
+        lr_scheduler_type="constant", optim="sgd" if args.optimizer == "sgd" else "adamw_torch", adam_beta1=0.9,
+        adam_beta2=0.95, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        **checkpointing_arguments(args.gradient_checkpointing), dataloader_drop_last=True,
+        dataloader_num_workers=args.num_workers, remove_unused_columns=False, logging_steps=1, save_strategy="no",
+        report_to="none", use_cpu=use_cpu, seed=args.seed,
+        max_length=args.max_length, beta=args.beta, loss_type=args.loss_type,
+        bf16=args.bf16)  # explicit: TRL's default is True
+
+
+def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
+    """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
+    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
+    return {
+        "losses": [h["loss"] for h in steps],
+        "grad_norms": [h["grad_norm"] for h in steps],
+        "tokens_per_second": real / final["train_runtime"],
+        "cp_size": cp_size,
+        "dp_size": world_size // cp_size,
+        "world_size": world_size,
+        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
+        "real_tokens": real,
+        "train_runtime_s": final["train_runtime"],
+    }
 
 
 def trl_metrics(trainer) -> dict[str, list[float]]:
@@ -198,14 +233,14 @@ def main(argv=None) -> int:
     with refusals_in_one_line():  # the trainer checks every pair against the pack size here
         trainer = BlockdiagCPDPOTrainer(
             model=model,
-            ref_model=copy.deepcopy(model),  # the initial policy, blockdiag_cp too
+            ref_model=copy.deepcopy(model),  # the initial policy
             args=dpo_config(args, world_size, cp_size),
             train_dataset=data,
             eval_dataset=eval_data,
             processing_class=tokenizer,
             cp_size=cp_size,
             max_tokens=args.max_tokens,
-            cp_config=cp_config(args),
+            cp_config=cp_config_from_args(args),
         )
     trainer.train()
     evaluated = trainer.evaluate() if args.eval else {}
@@ -215,8 +250,12 @@ def main(argv=None) -> int:
     metrics.update({name: value for name, value in evaluated.items() if name.startswith("eval_")})
     if args.output_dir:
         trainer.save_model(args.output_dir)
-    shown = {name: evaluated[name] for name in ("eval_loss", "eval_rewards/accuracies") if name in evaluated}
-    report_run(trainer, args, metrics, "DPO", **shown)
+    if trainer.is_world_process_zero():
+        shown = {name: evaluated[name] for name in ("eval_loss", "eval_rewards/accuracies") if name in evaluated}
+        print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1),
+                          **shown}))
+        if args.output_dir:
+            write_outputs(Path(args.output_dir), metrics, f"DPO, dp={metrics['dp_size']} x cp={cp_size}")
     return 0
 
 

@@ -5,7 +5,7 @@
     accelerate launch --num_processes 8 examples/train_grpo.py --cp-size 4 --bf16 --attn-backend fa4
 
 Defaults: a tiny Llama built from a config (`--tiny-arch qwen3_5` for the hybrid; fp32, random init,
-seed `--seed`), the character-level tokenizer of `examples/sft_trl.py`, and prompts made from the
+seed `--seed`), a character-level tokenizer (`integrations.demo`), and prompts made from the
 Python standard library (the first line of its top-level functions, from the embedded corpus), so it
 runs offline. The reward is computed from the text: the share of vowels among the completion's
 characters.
@@ -40,13 +40,11 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
-from sft_trl import SPECIAL_TOKENS, char_tokenizer  # the SFT example, same folder: its tokenizer
-from shared_args import (  # same folder: the examples' argument checks
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, config_error, cp_config, loaded,
-    one_line_errors, process_group_closed,
+from hf_blockdiag_cp.integrations.demo import CHAR_SPECIAL_TOKENS, char_tokenizer, tiny_config
+from hf_blockdiag_cp.integrations.scripts import (
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, config_error,
+    cp_config_from_args, loaded, one_line_errors, process_group_closed, write_outputs,
 )
-from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
-from trainer_packed import checkpointing_arguments  # same folder
 
 VOWELS = "aeiou"  # the reward: their share among a completion's characters
 TRL_METRICS = ("reward", "reward_std", "rewards/vowel_share/mean", "kl", "entropy", "completions/mean_length",
@@ -110,7 +108,8 @@ def stdlib_prompts(count: int, seed: int):
     rows = []
     for doc in corpus.documents():
         line = doc.text.decode("utf-8", "replace").split("\n", 1)[0]
-        if line.startswith("def ") and set(line) <= characters and not any(t in line for t in SPECIAL_TOKENS):
+        special = any(t in line for t in CHAR_SPECIAL_TOKENS)
+        if line.startswith("def ") and set(line) <= characters and not special:
             rows.append({"prompt": line + "\n"})
     if not rows:
         raise ValueError("the stdlib corpus gave no prompt")
@@ -165,7 +164,7 @@ def main(argv=None) -> int:
         model, tokenizer = build_model_and_tokenizer(args, directory)
         trainer = BlockdiagCPGRPOTrainer(model=model, reward_funcs=vowel_share, args=grpo_config(args, world_size),
                                          train_dataset=prompts, processing_class=tokenizer, cp_size=cp_size,
-                                         cp_config=cp_config(args))
+                                         cp_config=cp_config_from_args(args))
     trainer.train()
     metrics = run_metrics(trainer, world_size, cp_size)
     if trainer.is_world_process_zero():

@@ -47,10 +47,11 @@ from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.data import packed_dataloader
 from hf_blockdiag_cp.integrations.accelerate import gradient_sync, init_parallel, unwrap_model, wrap_model
+from hf_blockdiag_cp.integrations.demo import TINY_ARCHS, tiny_config
 from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
-from shared_args import (  # same folder
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
-    one_line_errors, process_group_closed, tokenizer_error,
+from hf_blockdiag_cp.integrations.scripts import (
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config_from_args, load_raw_dataset, loaded,
+    one_line_errors, process_group_closed, tokenizer_error, write_outputs,
 )
 
 IGNORE_INDEX = -100
@@ -98,36 +99,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- model and data
-
-
-TINY_ARCHS = ("llama", "qwen3_5", "nemotron_h", "lfm2")
-
-
-def tiny_config(arch: str, vocab_size: int, max_tokens: int):
-    """A tiny random-init config of `arch` (no download): 64 hidden, 4 heads (2 K/V heads) of dim 64, a
-    size every kernel runs (fa4 too, so `--attn-backend fa4` works on a GPU as written)."""
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=max(max_tokens, 2048), tie_word_embeddings=False)
-    if arch == "qwen3_5":  # 2 gated delta-rule layers, then 2 full-attention layers
-        from transformers import Qwen3_5TextConfig
-
-        return Qwen3_5TextConfig(**common, head_dim=64, num_hidden_layers=4,
-                                 layer_types=["linear_attention"] * 2 + ["full_attention"] * 2,
-                                 linear_num_key_heads=4, linear_num_value_heads=8,
-                                 linear_key_head_dim=16, linear_value_head_dim=16)
-    if arch == "nemotron_h":  # Mamba2, attention, Mamba2, MLP layers; 4 Mamba2 heads of 16 in 2 groups
-        from transformers import NemotronHConfig
-
-        return NemotronHConfig(**common, head_dim=64, layers_block_type=["mamba", "attention", "mamba", "mlp"],
-                               mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=64)
-    if arch == "lfm2":  # short gated convolution (kernel 3), attention, convolution, attention layers
-        from transformers import Lfm2Config
-
-        return Lfm2Config(**common, num_hidden_layers=4, layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
-                          block_auto_adjust_ff_dim=False)
-    from transformers import LlamaConfig
-
-    return LlamaConfig(**common, head_dim=64, num_hidden_layers=2)
 
 
 def build_model(args, vocab_size: int):
@@ -238,36 +209,6 @@ def world_sum(values: list[float], device: torch.device, dtype=torch.float64) ->
     return t.tolist()
 
 
-# --------------------------------------------------------------------------- outputs
-
-
-def write_outputs(output_dir: Path, metrics: dict, title: str | None = None) -> None:
-    """`metrics.json`, and `loss.png` (per-step losses) when matplotlib (the [bench] extra) is installed."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib is not installed (the [bench] extra): loss.png not written", file=sys.stderr)
-        return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if title is None:
-        title = f"dp={metrics['dp_size']} x cp={metrics['cp_size']} ({metrics['engine']})"
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(metrics["losses"]) + 1), metrics["losses"], marker="o", markersize=3)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(metrics.get("loss_label", "loss (token-weighted mean)"))
-    ax.set_title(f"{title}, {metrics['tokens_per_second']:.0f} tokens/s")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(output_dir / "loss.png", dpi=120)
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------- training
 
 
@@ -315,7 +256,7 @@ def train(args) -> dict:
     micro_steps = args.packs_per_step // place.dp_size
     mesh = place.build_mesh(device.type)  # one process: a mesh of one
     cp_mesh = mesh.cp
-    config = cp_config(args)
+    config = cp_config_from_args(args)
 
     tokenizer = loaded("--model", load_tokenizer, args)  # its errors name --model, the data's --dataset
     dataset, pad_token_id, vocab = loaded("--dataset", load_training_data, args, tokenizer)
@@ -370,7 +311,8 @@ def train(args) -> dict:
     if place.is_main:
         print(json.dumps({"losses": losses, "tokens_per_second": round(metrics["tokens_per_second"], 1)}))
         if args.output_dir:
-            write_outputs(Path(args.output_dir), metrics)
+            title = f"dp={place.dp_size} x cp={place.cp_size} ({metrics['engine']})"
+            write_outputs(Path(args.output_dir), metrics, title)
     if dist.is_initialized():
         dist.barrier()
     return metrics

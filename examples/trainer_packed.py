@@ -41,16 +41,16 @@ import torch
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data import corpus
-from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
-from shared_args import (  # same folder
-    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, cp_config, load_raw_dataset, loaded,
-    one_line_errors, process_group_closed,
+from hf_blockdiag_cp.integrations.demo import tiny_config
+from hf_blockdiag_cp.integrations.scripts import (
+    OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, cp_config_from_args,
+    load_raw_dataset, loaded, one_line_errors, process_group_closed, write_outputs,
 )
-from train_packed import tiny_config, write_outputs  # the main job, same folder: its model and outputs
+from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 
 
 def add_schedule_arguments(p) -> None:
-    """The flags this script and sft_trl.py share: steps, packs per step, CP size, seed, optimizer, checkpointing."""
+    """Steps, packs per step, CP size, seed, optimizer, checkpointing."""
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--packs-per-step", type=int, default=4, help="global batch: packs per optimizer step (split over DP)")
     p.add_argument("--cp-size", type=int, default=None, help="CP group size (default: number of processes)")
@@ -59,16 +59,6 @@ def add_schedule_arguments(p) -> None:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="non-reentrant activation checkpointing")
-
-
-def checkpointing_arguments(enabled: bool) -> dict:
-    """Non-reentrant activation checkpointing as TrainingArguments spell it: `activation_checkpointing`
-    in recent Transformers, `gradient_checkpointing` before (e.g. 5.17)."""
-    from transformers import TrainingArguments
-
-    fields = TrainingArguments.__dataclass_fields__
-    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
-    return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -187,7 +177,7 @@ def main(argv=None) -> int:
         cp_size=cp_size,
         max_tokens=args.max_tokens,
         pad_token_id=corpus.PAD_TOKEN_ID,
-        cp_config=cp_config(args),
+        cp_config=cp_config_from_args(args),
     )
     trainer.train()
     metrics = run_metrics(trainer, trainer.args.world_size, cp_size)
@@ -203,8 +193,7 @@ def main(argv=None) -> int:
 
 
 def report_run(trainer, args, metrics: dict, what: str, **extra) -> None:
-    """Rank 0: the losses and throughput (and `extra`) as one JSON line, and the outputs of
-    `--output-dir`. Shared with the TRL example."""
+    """Rank 0: the losses and throughput (and `extra`) as one JSON line, and the outputs of `--output-dir`."""
     if trainer.is_world_process_zero():
         print(json.dumps({"losses": metrics["losses"], "tokens_per_second": round(metrics["tokens_per_second"], 1), **extra}))
         if args.output_dir:

@@ -50,8 +50,9 @@ def test_a_dataset_that_the_filter_empties_is_named(tmp_path):
         trainer_example.load_training_data(trainer_example.parse_args(["--dataset", str(texts)]))
     empty = tmp_path / "empty.jsonl"
     empty.touch()
-    shared = load_script(EXAMPLES / "shared_args.py", "shared_args_example")
-    assert shared.dataset_error(example.parse_args(["--dataset", str(empty)])) == (
+    from hf_blockdiag_cp.integrations.scripts import dataset_error
+
+    assert dataset_error(example.parse_args(["--dataset", str(empty)])) == (
         f"--dataset {str(empty)!r}: the file is empty (no document to train on)")
 
 

@@ -137,9 +137,10 @@ def _output_lines(run: subprocess.CompletedProcess) -> list[str]:
 def test_argument_errors_name_the_flag(script, args, expected):
     """The reason the launch check gives for each bad value on 2 processes, in process (the exit on
     every rank is the next test's, once per kind of check)."""
-    shared = load_script(ROOT / "examples" / "shared_args.py", "shared_args_example")
+    from hf_blockdiag_cp.integrations.scripts import argument_error
+
     example = load_script(ROOT / "examples" / script, script.removesuffix(".py") + "_example")
-    reason = shared.argument_error(example.parse_args(args), 2)
+    reason = argument_error(example.parse_args(args), 2)
     assert reason is not None and reason.startswith(expected), reason
 
 
@@ -271,15 +272,16 @@ def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, 
 
 def test_local_data_files_load_by_their_suffix(tmp_path):
     """`--dataset` with a local file: the examples read it with the `datasets` builder of its suffix
-    (`shared_args.load_raw_dataset`), and the Trainer example turns its text into byte tokens."""
+    (`integrations.scripts.load_raw_dataset`), and the Trainer example turns its text into byte tokens."""
     texts = ["first document", "second, longer document", "3"]
     files = {"docs.jsonl": "\n".join(json.dumps({"text": t}) for t in texts) + "\n",
              "docs.csv": "text\n" + "\n".join(f'"{t}"' for t in texts) + "\n",
              "docs.txt": "\n".join(texts) + "\n"}
-    shared = load_script(ROOT / "examples" / "shared_args.py", "shared_args_example")
+    from hf_blockdiag_cp.integrations.scripts import load_raw_dataset
+
     for name, content in files.items():
         (tmp_path / name).write_text(content)
-        assert shared.load_raw_dataset(str(tmp_path / name))["text"] == texts, name
+        assert load_raw_dataset(str(tmp_path / name))["text"] == texts, name
     trainer_example = load_script(ROOT / "examples" / "trainer_packed.py", "trainer_packed_example")
     args = trainer_example.parse_args(["--dataset", str(tmp_path / "docs.jsonl")])
     data = trainer_example.load_training_data(args)

@@ -51,15 +51,11 @@ def free_port() -> int:
 
 
 def load_script(path: Path, name: str):
-    """The script at `path` imported as module `name` (its folder on sys.path meanwhile: scripts import their siblings)."""
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(path.parent))
+    """The script at `path` imported as module `name` (alone: an example imports no sibling)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # What the launchers export (torchrun, MPI, accelerate's simple launcher); cleared before a run in process.
@@ -96,7 +92,6 @@ def run_in_process(monkeypatch, capsys, script: Path, args: list[str], env: dict
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [str(script), *args])
-    monkeypatch.syspath_prepend(str(script.parent))  # scripts import their siblings
 
     def exit_now(code):
         raise ProcessExit(code)
