@@ -14,10 +14,12 @@ or state passing under CP), `kda` (Kimi Linear, Bailing-Hybrid KDA layers, on th
 `mamba2` (Mamba2, NemotronH, GraniteMoeHybrid, Bamba, FalconH1, Zamba2 SSD layers; state passing),
 `mamba1` (Mamba, FalconMamba, Jamba selective-scan layers; state passing),
 `minimax` (MiniMax lightning-attention layers; state passing);
-`packed_mixer` holds what those token-mixer patches share.
+`packed_mixer` holds what those token-mixer patches share. `router_aux_loss` (every MoE family whose
+modeling module computes the Switch Transformers load-balancing loss): the router auxiliary loss over
+the whole pack under CP.
 """
 
-from . import gated_delta, kda, lfm2, mamba1, mamba2, minimax, phi3, qwen2_vl  # noqa: F401  (registration)
+from . import gated_delta, kda, lfm2, mamba1, mamba2, minimax, phi3, qwen2_vl, router_aux_loss  # noqa: F401  (registration)
 from .registry import PATCHES, ModelPatch, apply_model_patches, check_attention_module, patches_for, register_patch
 from .unsupported import UNSUPPORTED_MODEL_TYPES
 

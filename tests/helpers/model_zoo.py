@@ -97,7 +97,27 @@ def tiny_config(family: str):
                                temporal_patch_size=1, spatial_merge_size=1, in_channels=3),
             tie_word_embeddings=False, image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
         )
+    if family in MOE_FAMILIES:
+        return moe_config(family)
     raise ValueError(family)
+
+
+# Mixture-of-experts families with the router auxiliary loss on (model_patches/router_aux_loss.py); the
+# coefficient large enough that the auxiliary loss moves the loss and the router's gradient well past 1e-4.
+MOE_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+ROUTER_AUX_COEF = 0.5
+
+
+def moe_config(family: str):
+    """A tiny MoE config: 4 experts, 2 per token, `output_router_logits=True`, `router_aux_loss_coef` 0.5."""
+    import transformers
+
+    b = dict(_BASE, output_router_logits=True, router_aux_loss_coef=ROUTER_AUX_COEF, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**b, num_experts=4, moe_intermediate_size=16)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**b, num_experts=4)
+    return transformers.MixtralConfig(**b, num_local_experts=4)
 
 
 def build_pair(family: str, seed: int = 0):

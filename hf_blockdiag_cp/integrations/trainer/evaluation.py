@@ -7,7 +7,8 @@ Trainer's mixed-precision autocast (`bf16=True` evaluates as the stock Trainer d
 the token-weighted mean over every predicted eval token (the training loss's definition), i.e.
 the stock model's loss on each document unpacked, as long as no eval document is longer than a
 pack: those are split into pieces (oversize="split"), counted in `{prefix}_split_documents`, and
-the loss is then the pieces' loss, which a warning says.
+the loss is then the pieces' loss, which a warning says. An MoE model's router auxiliary loss is a
+training regulariser of each pack's routing, not a token loss: `eval_loss` leaves it out.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from accelerate.utils import send_to_device
 
 from ...comm import resolve_cp_group
 from ...comm.exchange import all_gather_single
+from ...model_patches.router_aux_loss import router_aux_scope
 from ...step import IGNORE_INDEX, make_cp_blockdiag_batch_and_ctx
 from .setup import sum_over_world, world_group
 
@@ -194,7 +196,7 @@ class ShardedEvaluationMixin:
         cp = resolve_cp_group(self.cp_mesh)
         for model, train_ctx, local, layout, index in self._eval_steps(loader):
             local["num_items_in_batch"] = 1  # the model returns this rank's token-loss sum
-            with train_ctx():
+            with train_ctx(), router_aux_scope(scale=0.0):  # without an MoE model's router auxiliary loss
                 out = model(**local)
             if on_pack is not None:
                 on_pack(out, local, index is None)

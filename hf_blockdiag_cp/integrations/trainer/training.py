@@ -15,7 +15,9 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
   `local token-loss sum * W / N` (I2): DDP's gradient mean over the W ranks and the Trainer's
   logged mean over processes are exactly the non-CP values. Nothing here depends on the
   Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
-  multiplication by the number of processes, which differ between Transformers versions.
+  multiplication by the number of processes, which differ between Transformers versions. An MoE
+  model's router auxiliary loss is the whole pack's on every rank (`model_patches.router_aux_loss`);
+  the auxiliary losses of the step's packs add up, as in the stock Trainer.
 - `evaluate` / `predict`: sharded, from `ShardedEvaluationMixin` (evaluation.py).
 - `loss_is_scaled_for_ga`: True where the Trainer reads it (transformers >= 5.19); earlier
   Trainers decide from the `num_items_in_batch` the mixin passes.
@@ -37,6 +39,7 @@ from ...compat.transformers import trainer_reads_loss_scaling_flag
 from ...config import CPConfig, default_config
 from ...data.loader import packed_dataloader
 from ...model_patches import apply_model_patches
+from ...model_patches.router_aux_loss import router_aux_scope
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
 from ...step.targets import no_targets_error
 from ..compile import compile_checkpointed_layers
@@ -229,11 +232,25 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         if num_items_in_batch is not None:
             # Without it (a direct call), the shard's own per-pack count (targets / cp_size) is used.
             inputs["num_items_in_batch"] = num_items_in_batch / self.cp_coordinates.world_size
-        outputs = model(**inputs)
+        with router_aux_scope(scale=self._router_aux_scale()) as router:
+            outputs = model(**inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if loss is None:
             raise ValueError("the model returned no loss for a CP batch with labels; expected a causal LM with a loss")
+        loss = self._with_router_aux(loss, router.loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _router_aux_scale(self) -> float:
+        """How much of an MoE model's router auxiliary loss (the whole pack's: `model_patches.router_aux_loss`)
+        its own loss keeps: dp_size, so the auxiliary losses of every pack of the optimizer step add up, as
+        in the stock Trainer (over accumulation steps, and over replicas: it multiplies the model's loss,
+        auxiliary loss included, by the number of processes)."""
+        return float(self.cp_coordinates.dp_size)
+
+    def _with_router_aux(self, loss: torch.Tensor, aux: torch.Tensor | None, num_items_in_batch) -> torch.Tensor:
+        """The loss with any router auxiliary term the model's own loss lacks (`_router_aux_scale`); the
+        Trainer's has it all."""
+        return loss
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Add the callback's token metrics to every training log; average the final `train_loss`."""

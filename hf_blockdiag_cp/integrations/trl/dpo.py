@@ -6,7 +6,9 @@ conversations, dropping prompts that fill `max_length`); pre-tokenized `prompt_i
 collator truncates them) go into one pack with other pairs, padding-free (`data.pairs`); the pack
 is sharded over the CP group. The policy and the reference run on the same shard step; their
 completion log-probs come per document from `logprobs.document_log_probs` (no `[tokens, vocab]`
-logits), and TRL 1.16's losses and metrics are computed from those sums (`dpo_loss`), per pair.
+logits), and TRL 1.16's losses and metrics are computed from those sums (`dpo_loss`), per pair. An MoE
+policy's router auxiliary loss (on where TRL turns it on: `aux_loss_enabled`) is the whole pack's
+(`model_patches.router_aux_loss`), added once per micro-batch as TRL adds it and logged as `aux_loss`.
 
 The reference: `ref_model` (same architecture and vocabulary; run on `blockdiag_cp` like the policy), else
 for a PEFT policy the policy with its adapters disabled (or its "ref" adapter), else the log-probs
@@ -24,16 +26,17 @@ from trl import DPOConfig, DPOTrainer
 from ...compat.trl import overrides, use_adapter
 from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
+from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..trainer.setup import world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, ratio
 from .setup import (
-    is_peft, pack_size, pad_token_of, prepare_reference, refuse_aux_loss, require_pair_columns, warn_if_unverified_trl,
+    is_peft, pack_size, pad_token_of, prepare_reference, require_pair_columns, warn_if_unverified_trl,
 )
 
 DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
             "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",
-            "top1_chosen")
+            "top1_chosen", "aux_loss", "aux_batches")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
@@ -56,7 +59,6 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         if not isinstance(args, DPOConfig):
             raise ValueError(f"args must be a trl.DPOConfig; got {type(args).__name__}")
         check_loss_types(args)
-        refuse_aux_loss(args, "DPOConfig")
         if args.use_liger_kernel:
             raise ValueError("DPOConfig.use_liger_kernel is True; expected False: Liger's kernels are not verified "
                              "under block-diagonal CP in the DPO trainer")
@@ -68,8 +70,6 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
             max_tokens=pack_size(max_tokens, args.max_length, cp_size),
             pad_token_id=pad_token_of(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
-        if self.aux_loss_enabled:
-            refuse_aux_loss(args, "DPOConfig", enabled=True)
         if self.ref_model is not None:
             prepare_reference(self.model, self.ref_model)
         self._check_pairs()
@@ -165,7 +165,13 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             with torch.no_grad(), context:
                 ref = self._sequence_log_probs(reference, local, pairs)
         stats = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
-        result = document_log_probs(model, local, stats=stats)
+        aux = None
+        if self.aux_loss_enabled:  # the policy's router auxiliary loss over the pack, as TRL asks its forward for it
+            with router_aux_scope(model, request=True) as router:
+                result = document_log_probs(model, local, stats=stats)
+            aux = scope_loss(router, f"router_aux_loss_coef={self.router_aux_loss_coef}")
+        else:
+            result = document_log_probs(model, local, stats=stats)
         policy = self._sequence_log_probs(model, local, pairs, result)
         counts = result.counts.view(pairs.pairs, 2)
         weights = None
@@ -177,10 +183,28 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
                           tokens[:, 0], tokens[:, 1], result.sums.view(pairs.pairs, 2)[:, 0].sum(),
                           counts[:, 0].sum(), weights)
         losses = pair_losses(self.args, terms)
-        self._add_metrics(mode, terms, result, counts, counted and self.cp_coordinates.cp_rank == 0)
+        self._add_metrics(mode, terms, result, counts, counted and self.cp_coordinates.cp_rank == 0, aux)
+        if aux is not None and mode == "train":
+            self._router_aux = aux  # compute_loss adds it once per micro-batch
+        elif aux is not None:  # evaluation: each pair's share, so a pack's loss sum weighs it as TRL weighs a batch
+            losses = losses + self.router_aux_loss_coef * aux
         return losses
 
-    def _add_metrics(self, mode: str, terms: PairTerms, result: DocumentLogProbs, counts, counted: bool) -> None:
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """The pairs' loss (`PreferenceCPMixin`), plus TRL's MoE term in training: `router_aux_loss_coef` times the
+        pack's router auxiliary loss, over the accumulation steps (TRL's DPO loss of a micro-batch, which the
+        Trainer divides by them)."""
+        self._router_aux = None
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        aux, self._router_aux = self._router_aux, None
+        if aux is None:
+            return result
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        term = self.router_aux_loss_coef * aux / steps
+        return (result[0] + term, result[1]) if return_outputs else result + term
+
+    def _add_metrics(self, mode: str, terms: PairTerms, result: DocumentLogProbs, counts, counted: bool,
+                     aux: torch.Tensor | None = None) -> None:
         with torch.no_grad():
             chosen = self.beta * (terms.chosen - terms.ref_chosen)
             rejected = self.beta * (terms.rejected - terms.ref_rejected)
@@ -190,7 +214,8 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
                     "logps_chosen": terms.chosen, "logps_rejected": terms.rejected, "entropy": stat["entropy"],
                     "targets": counts, "logits_chosen": stat["mean_logits"][:, 0], "targets_chosen": counts[:, 0],
                     "logits_rejected": stat["mean_logits"][:, 1], "targets_rejected": counts[:, 1],
-                    "top1_chosen": stat["is_top1"][:, 0]}
+                    "top1_chosen": stat["is_top1"][:, 0], "aux_loss": torch.tensor(0.0 if aux is None else float(aux)),
+                    "aux_batches": torch.tensor(float(aux is not None))}
         self.pair_metrics.add(mode, sums, counted=counted)
 
     def _finish_metrics(self, sums: dict[str, float], extremes) -> dict[str, float]:
@@ -206,6 +231,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             "rewards/margins": ratio(sums["margins"], pairs),
             "logps/chosen": ratio(sums["logps_chosen"], pairs),
             "logps/rejected": ratio(sums["logps_rejected"], pairs),
+            **({"aux_loss": ratio(sums["aux_loss"], sums["aux_batches"])} if self.aux_loss_enabled else {}),
         }
 
     def _prepare_eval_pairs(self, dataset, name: str):

@@ -26,7 +26,7 @@ from ...logprobs import per_document_sum
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
 from .preference import PairMetrics, PreferenceCPMixin, ratio
-from .setup import pack_size, pad_token_of, refuse_aux_loss, require_pair_columns, warn_if_unverified_trl
+from .setup import pack_size, pad_token_of, require_pair_columns, warn_if_unverified_trl
 
 REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
 REWARD_EXTREMES = ("neg_min_reward", "max_reward")
@@ -112,7 +112,6 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
         warn_if_unverified_trl()
         if not isinstance(args, RewardConfig):
             raise ValueError(f"args must be a trl.RewardConfig; got {type(args).__name__}")
-        refuse_aux_loss(args, "RewardConfig")
         self.pair_metrics = PairMetrics(REWARD_SUMS, REWARD_EXTREMES)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,

@@ -25,6 +25,7 @@ from ...compat.trl import logps_result, overrides
 from ...config import CPConfig, default_config
 from ...data.completions import CompletionRows
 from ...model_patches import apply_model_patches
+from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..completions import completion_log_probs, cp_group_of, gather_rows
 from ..trainer.setup import (
     check_model_setup,
@@ -35,7 +36,7 @@ from ..trainer.setup import (
     resolve_cp_mesh,
     sum_over_world,
 )
-from .setup import pad_token_of, prepare_reference, refuse_aux_loss, warn_if_unverified_trl
+from .setup import pad_token_of, prepare_reference, warn_if_unverified_trl
 
 
 class RLCPMixin:
@@ -66,8 +67,6 @@ class RLCPMixin:
         self._cp_config, self.cp_max_tokens = cp_config, max_tokens
         self._step_scope: contextlib.ExitStack | None = None
         super().__init__(*args, **kwargs)
-        if self.aux_loss_enabled:
-            refuse_aux_loss(self.args, name, enabled=True)
         apply_model_patches(self.accelerator.unwrap_model(self.model))
         check_model_setup(self.model, self.args.world_size, cp_size, checkpointing_kwargs(self.args), cache_allowed=True)
         if self.ref_model is not None:
@@ -94,13 +93,13 @@ class RLCPMixin:
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **model_inputs):
         """TRL's per-token log-probs ([B, logits_to_keep]) and entropies of the completion tokens, from
-        the CP group's packed rows; TRL's `batch_size` chunks the rows of forwards without gradients."""
+        the CP group's packed rows; TRL's `batch_size` chunks the rows of forwards without gradients. With
+        `compute_aux_loss`, the MoE router auxiliary loss of this rank's own rows, as TRL computes it per
+        rank (`_router_aux`), averaged over the chunks as TRL averages them."""
         given = sorted(k for k, v in model_inputs.items() if v is not None)
         if given:
             raise ValueError(f"{type(self).__name__} takes text-only rows; got the multimodal inputs {given}, which "
                              "block-diagonal CP does not shard")
-        if compute_aux_loss:
-            refuse_aux_loss(self.args, self.config_class.__name__, enabled=True)
         rows = CompletionRows.of(input_ids, attention_mask, logits_to_keep)
         group_rows, me = gather_rows(rows, cp_group_of(self.cp_mesh))
         most = max(r.rows for r in group_rows)
@@ -108,14 +107,27 @@ class RLCPMixin:
         pieces = [[r.take(start, start + size) for r in group_rows] for start in range(0, most, size)]
         self._check_forward(pieces)
         stats = ("entropy",) if compute_entropy else ()
-        logps, entropies = [], []
+        logps, entropies, aux = [], [], []
         for piece in pieces:
-            values, extra = completion_log_probs(
-                model, piece[me], cp_mesh=self.cp_mesh, group_rows=piece, cp_config=self.cp_config,
-                pad_token_id=self.cp_pad_token_id, temperature=self.temperature, stats=stats, scope=self._step_scope)
+            with self._router_aux(model, piece, me, compute_aux_loss) as router:
+                values, extra = completion_log_probs(
+                    model, piece[me], cp_mesh=self.cp_mesh, group_rows=piece, cp_config=self.cp_config,
+                    pad_token_id=self.cp_pad_token_id, temperature=self.temperature, stats=stats, scope=self._step_scope)
             logps.append(values)
             entropies.append(extra.get("entropy"))
-        return logps_result(torch.cat(logps), torch.cat(entropies) if compute_entropy else None)
+            if router is not None and piece[me].rows:
+                aux.append(scope_loss(router, f"{self.config_class.__name__}.router_aux_loss_coef"))
+        aux_loss = torch.stack(aux).mean() if compute_aux_loss else None
+        return logps_result(torch.cat(logps), torch.cat(entropies) if compute_entropy else None, aux_loss)
+
+    def _router_aux(self, model, piece: list[CompletionRows], me: int, wanted: bool):
+        """The scope of one forward's MoE router auxiliary loss (`model_patches.router_aux_loss`), or a null
+        context when not `wanted`: the pack's documents are the CP ranks' rows in rank order, so each rank's
+        rows are one group of the statistics and each rank gets its own rows' loss, TRL's per-rank value."""
+        if not wanted:
+            return contextlib.nullcontext()
+        owners = torch.repeat_interleave(torch.arange(len(piece)), torch.tensor([r.rows for r in piece]))
+        return router_aux_scope(model, request=True, groups=owners, own=me)
 
     def _check_forward(self, pieces: list[list[CompletionRows]]) -> None:
         """Refuse, on every rank alike (one all-reduce over the world), a forward whose pack would exceed

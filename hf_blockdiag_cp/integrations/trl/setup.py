@@ -1,6 +1,5 @@
 """Setup of the TRL trainers: the pack size, the datasets' columns, the reference model (switched to
-`blockdiag_cp`), MoE auxiliary losses, the TRL release. Each check raises ValueError naming the field,
-on every rank alike."""
+`blockdiag_cp`), the TRL release. Each check raises ValueError naming the field, on every rank alike."""
 
 from __future__ import annotations
 
@@ -24,16 +23,6 @@ def pack_size(max_tokens: int | None, max_length: int | None, cp_size: int) -> i
         raise ValueError("max_tokens is required when max_length is None: it is the pack size (a multiple of 2*cp_size)")
     step = 2 * cp_size
     return -(-2 * max_length // step) * step
-
-
-def refuse_aux_loss(args, config_name: str, enabled: bool = False) -> None:
-    """Refuse a MoE router auxiliary loss: under CP each rank would add its own shard's."""
-    coef = getattr(args, "router_aux_loss_coef", None)
-    if enabled or coef:
-        raise ValueError(
-            f"the MoE router auxiliary loss is on (router_aux_loss_coef={coef}); expected {config_name}("
-            "router_aux_loss_coef=0.0): under CP each rank would add its own shard's auxiliary loss"
-        )
 
 
 def column_names(dataset) -> set[str]:

@@ -20,20 +20,23 @@ optimizer step), `mean_token_accuracy` and `entropy` (over the targets, label !=
 rank's shard, combined over the CP group and the DP replicas when the trainer logs:
 `metrics.TokenMetrics`), in training logs and as `eval_*` in `evaluate`'s metrics. Accuracy and
 entropy need the model's logits: with Liger's fused cross-entropy (`enable_fused_cross_entropy`)
-training builds none, so training logs then hold `num_tokens` only.
+training builds none, so training logs then hold `num_tokens` only. An MoE model's router auxiliary
+loss is the whole pack's (`model_patches.router_aux_loss`), added as TRL adds it (`router_aux_loss_coef`
+times it, over the accumulation steps) and logged as `aux_loss` in training logs.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 from trl import SFTConfig, SFTTrainer
 
 from ...compat.trl import DataCollatorForLanguageModeling, prepare_like_trl
 from ...config import CPConfig
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
-from ..trainer.setup import check_world
+from ..trainer.setup import check_world, sum_over_world
 from .metrics import TokenMetrics
 from .packs import prepacked_dataloader
 from .setup import warn_if_unverified_trl
@@ -104,11 +107,7 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
                 f"SFTTrainer chose {type(self.data_collator).__name__}; expected DataCollatorForLanguageModeling "
                 "(text datasets): vision-language datasets are not supported by BlockdiagCPSFTTrainer"
             )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"the MoE router auxiliary loss is on (router_aux_loss_coef={self.router_aux_loss_coef}); expected "
-                "SFTConfig(router_aux_loss_coef=0.0): under CP each rank would add its shard's own auxiliary loss"
-            )
+        self._router_aux_values: list[float] = []  # this rank's auxiliary loss per training micro-batch since the last log
         self.packing = replace(self.packing, pad_token_id=self.data_collator.pad_token_id)
 
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
@@ -152,6 +151,19 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         self._add_token_metrics("train" if self.model.training else "eval", outputs, inputs, fill=False)
         return (loss, outputs) if return_outputs else loss
 
+    def _router_aux_scale(self) -> float:
+        """The model's own loss without its router auxiliary loss: TRL adds its own term (`_with_router_aux`)."""
+        return 0.0
+
+    def _with_router_aux(self, loss, aux, num_items_in_batch):
+        """TRL's MoE term: `router_aux_loss_coef` times the pack's auxiliary loss, averaged over the accumulation
+        steps (TRL's per-micro-batch mean, which DDP averages over the ranks); recorded for the `aux_loss` log."""
+        if aux is None or not self.aux_loss_enabled:
+            return loss
+        self._router_aux_values.append(float(aux.detach()))
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        return loss + self.router_aux_loss_coef * aux / steps
+
     def _eval_pack_done(self, outputs, local: dict, fill: bool) -> None:
         """The mixin's hook after each sharded eval pack: the sums of TRL's eval token metrics."""
         self._add_token_metrics("eval", outputs, local, fill)
@@ -168,5 +180,11 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         metrics = self.token_metrics.pop(mode, self.cp_coordinates.world_size)
         if recorded:
             metrics["num_tokens"] = self.cp_tokens_trained
+        if mode == "train" and self.aux_loss_enabled:  # TRL's mean over the micro-batches and ranks
+            values, self._router_aux_values = self._router_aux_values, []
+            total, count = sum_over_world(torch.tensor([sum(values), len(values)], dtype=torch.float64),
+                                          self.cp_coordinates.world_size).tolist()
+            if count:
+                metrics["aux_loss"] = total / count
         logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})
         super().log(logs, *args, **kwargs)
