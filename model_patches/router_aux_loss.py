@@ -177,8 +177,8 @@ def pack_loss(step: CPStep, gate_logits, num_experts: int, top_k: int, attention
     groups, count = _local_groups(step, scope)
     rows = {int(g.shape[0]) for g in gate_logits}
     if rows != {groups.numel()}:
-        raise ValueError(f"blockdiag_cp: the router logits hold {sorted(rows)} rows per layer in a CP step whose shards "
-                         f"hold {groups.numel()} tokens; expected one packed row per rank")
+        raise ValueError(f"blockdiag_cp: the router logits hold {sorted(rows)} rows per layer in a CP step whose "
+                         f"shards hold {groups.numel()} tokens; expected one packed row per rank")
     if attention_mask is not None:
         if attention_mask.ndim != 2 or attention_mask.numel() != groups.numel():
             raise ValueError(f"blockdiag_cp: attention_mask of shape {tuple(attention_mask.shape)} in a CP step with "

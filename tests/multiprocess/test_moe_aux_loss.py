@@ -68,7 +68,8 @@ def step_case(rank, world_size, group, families):
 
     docs = documents()
     pack = torch.cat(docs)[None]
-    batch = {"input_ids": pack, "labels": pack.clone(), "position_ids": torch.cat([torch.arange(n) for n in LENGTHS])[None]}
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    batch = {"input_ids": pack, "labels": pack.clone(), "position_ids": positions}
     results = {}
     for family in families:
         _, model = build_pair(family)
@@ -102,7 +103,8 @@ def test_core_step_matches_the_stock_model_padded(gloo, world_size):
         grads = {n: sum(r["grads"][n] for r in got) / world_size for n in got[0]["grads"]}
         assert_close(loss, grads, want, f"{family} G={world_size}")
         for rank, r in enumerate(got):
-            assert abs(r["aux"] - want["aux"]) <= TOL * want["aux"], f"{family} rank {rank}: aux {r['aux']} vs {want['aux']}"
+            assert abs(r["aux"] - want["aux"]) <= TOL * want["aux"], \
+                f"{family} rank {rank}: aux {r['aux']} vs {want['aux']}"
         per_rank = sum(r["shard_aux"] for r in got) / world_size
         assert ROUTER_AUX_COEF * abs(per_rank - want["aux"]) > TOL * want["loss"], \
             f"{family} G={world_size}: the loss with each shard's own aux loss would pass too"
@@ -138,8 +140,9 @@ def trainers_case(rank, world_size, group, families):
                                                  max_tokens=PACK, callbacks=[capture])
                 else:
                     args = sft_config(out, max_length=PACK, gradient_accumulation_steps=1, max_steps=1)
-                    trainer = BlockdiagCPSFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": docs}),
-                                                    processing_class=char_tokenizer(), cp_size=world_size, callbacks=[capture])
+                    trainer = BlockdiagCPSFTTrainer(
+                        model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": docs}),
+                        processing_class=char_tokenizer(), cp_size=world_size, callbacks=[capture])
                 quiet(trainer).train()
                 logs = training_logs(trainer)
                 results[family, kind] = {"loss": logs["loss"], "aux_loss": logs.get("aux_loss"), "grads": capture.grads}
@@ -184,7 +187,8 @@ def stock_dpo(family: str) -> dict:
     with tempfile.TemporaryDirectory() as out:
         policy = policy_model(family, "eager")
         capture = GradCapture()
-        trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy), train_dataset=preference_dataset(rows),
+        trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy),
+                                   train_dataset=preference_dataset(rows),
                                    args=dpo_config(out, DPO_PAIRS, per_device_train_batch_size=DPO_PAIRS),
                                    processing_class=char_tokenizer(), callbacks=[capture]))
         assert trainer.aux_loss_enabled
@@ -205,9 +209,10 @@ def stock_reward(family: str) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         capture = GradCapture()
-        trainer = quiet(RewardTrainer(model=reward_classifier(family, "eager"), train_dataset=preference_dataset(
-            preference_rows(count=DPO_PAIRS)), args=reward_config(out, DPO_PAIRS, per_device_train_batch_size=DPO_PAIRS),
-            processing_class=char_tokenizer(), callbacks=[capture]))
+        args = reward_config(out, DPO_PAIRS, per_device_train_batch_size=DPO_PAIRS)
+        trainer = quiet(RewardTrainer(model=reward_classifier(family, "eager"), args=args,
+                                      train_dataset=preference_dataset(preference_rows(count=DPO_PAIRS)),
+                                      processing_class=char_tokenizer(), callbacks=[capture]))
         trainer.train()
         return {"logs": training_logs(trainer), "grads": capture.grads}
 
@@ -242,8 +247,8 @@ def trl_case(rank, world_size, group, families):
                 capture = GradCapture()
                 trainer = quiet(BlockdiagCPRewardTrainer(
                     model=reward_classifier(family, "blockdiag_cp"), args=reward_config(out, DPO_PAIRS),
-                    train_dataset=preference_dataset(preference_rows(count=DPO_PAIRS)), processing_class=char_tokenizer(),
-                    cp_size=world_size, max_tokens=DPO_PACK, callbacks=[capture]))
+                    train_dataset=preference_dataset(preference_rows(count=DPO_PAIRS)),
+                    processing_class=char_tokenizer(), cp_size=world_size, max_tokens=DPO_PACK, callbacks=[capture]))
                 trainer.train()
                 results[family, "reward"] = {"logs": training_logs(trainer), "grads": capture.grads}
         with tempfile.TemporaryDirectory() as directory:
@@ -255,8 +260,9 @@ def trl_case(rank, world_size, group, families):
                     args = rl_config("grpo", out, **model_kwargs("blockdiag_cp" if ours else "eager"),
                                      max_completion_length=settings.pop("max_completion_length"))
                     capture = LastGrads()
+                    cp = {"cp_size": world_size} if ours else {}
                     trainer = quiet(rl_trainer("grpo", holder[0], args, ours, callbacks=[capture],
-                                               lengths=settings["lengths"], **({"cp_size": world_size} if ours else {})))
+                                               lengths=settings["lengths"], **cp))
                     trainer.train()
                     results[family, "grpo", ours] = {"logs": [h for h in trainer.state.log_history if "loss" in h],
                                                      "grads": capture.grads, "steps": args.max_steps}
