@@ -1,14 +1,16 @@
 """The model's own forward, with the output embedding replaced by the chunked log-prob head.
 
 A forward pre-hook on the output embedding (`get_output_embeddings()`, installed once per model)
-runs `head.token_log_probs` on the final hidden states while a `HeadRequest` is active, inside the
-model's forward: wrappers that act around the forward (DDP, FSDP2's unsharded root parameters,
-PEFT, `torch.compile`) see the head's parameters used as in a plain forward. The output embedding
-itself then runs on `probe` rows only (none after the first call), so the model builds no
-`[tokens, vocab]` logits. On the first call per model and dtype it runs on two rows, and the
-logits the model returns for them (after its own scaling and soft-capping) must equal the
-`LogitTransform` of the head: a model that transforms its logits in a way the head does not know
-is refused instead of trained on wrong log-probs.
+takes the final hidden states while a `HeadRequest` is active and runs `head.token_log_probs` on them
+inside the model's forward: wrappers that act around the forward (DDP, PEFT, `torch.compile`) see the
+head's parameters used as in a plain forward. Under FSDP2, with gradients, the head runs right after
+the forward instead, as a forward of the FSDP2 unit that holds the output embedding's weight
+(`fsdp.as_unit_output`): FSDP2 gathers that weight for the head's backward and reduces its gradient,
+whatever units the model was sharded into. The output embedding itself runs on `probe` rows only
+(none after the first call), so the model builds no `[tokens, vocab]` logits. On the first call per
+model and dtype it runs on two rows, and the logits the model returns for them (after its own
+scaling and soft-capping) must equal the `LogitTransform` of the head: a model that transforms its
+logits in a way the head does not know is refused instead of trained on wrong log-probs.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 
 from ..step.model_support import configured_model
+from .fsdp import as_unit_output, fsdp_unit
 from .head import LogitTransform, token_log_probs
 
 PROBE_ROWS = 2
@@ -42,6 +45,9 @@ class HeadRequest:
     values: dict = field(default_factory=dict)
     probe_logits: torch.Tensor | None = None  # the transform of the probe rows, computed by the head
     seen: bool = False
+    deferred: bool = False  # score after the forward, as a forward of the FSDP2 unit of the weight (`fsdp`)
+    hidden: torch.Tensor | None = None  # the scored rows' hidden states, [N, H], until scored
+    probe_hidden: torch.Tensor | None = None
 
 
 @torch.compiler.disable
@@ -56,19 +62,27 @@ def _pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict):
             f"blockdiag_cp log-probs: the output embedding received hidden states of shape {tuple(hidden.shape)}; "
             "expected [1, L, H] (one packed row)"
         )
-    rows = hidden[0].index_select(0, request.rows)
-    request.log_probs, request.values = token_log_probs(
-        rows, module.weight, getattr(module, "bias", None), request.targets, request.transform, request.chunk_size,
-        request.stats,
-    )
     probe = hidden[:, : request.probe]
+    request.hidden, request.probe_hidden = hidden[0].index_select(0, request.rows), probe[0].detach()
+    if not request.deferred:
+        _score(request, module)
+    return (probe,) + tuple(args[1:]), kwargs
+
+
+def _score(request: HeadRequest, module: torch.nn.Module) -> torch.Tensor:
+    """The head on the captured rows, and the transform of the probe rows, with `module`'s weight as it
+    is at the call (gathered, under FSDP2); the request then holds the results, not the hidden rows."""
+    bias = getattr(module, "bias", None)
+    request.log_probs, request.values = token_log_probs(
+        request.hidden, module.weight, bias, request.targets, request.transform, request.chunk_size, request.stats,
+    )
     if request.probe:
         with torch.no_grad():
-            raw = probe[0].float() @ module.weight.float().t()
-            bias = getattr(module, "bias", None)
+            raw = request.probe_hidden.float() @ module.weight.float().t()
             untempered = replace(request.transform, temperature=1.0)  # the model knows no sampling temperature
             request.probe_logits = untempered.apply(raw if bias is None else raw + bias.float())
-    return (probe,) + tuple(args[1:]), kwargs
+    request.hidden = request.probe_hidden = None
+    return request.log_probs
 
 
 def output_embedding(model) -> torch.nn.Module:
@@ -97,7 +111,9 @@ def install_hook(head: torch.nn.Module) -> None:
 
 def run_with_head(model, inputs: dict[str, Any], request: HeadRequest):
     """`model(**inputs)` with `request` active: the request holds the log-probs afterwards. The first
-    call per output embedding and dtype also checks the model's logit transform (module docstring)."""
+    call per output embedding and dtype also checks the model's logit transform (module docstring).
+    With gradients under FSDP2 the head runs right after the forward, as a forward of the unit that
+    holds the output embedding's weight (`fsdp.as_unit_output`)."""
     global _ACTIVE
     head = output_embedding(model)
     install_hook(head)
@@ -105,6 +121,8 @@ def run_with_head(model, inputs: dict[str, Any], request: HeadRequest):
     key = (torch.get_autocast_dtype(head.weight.device.type) if torch.is_autocast_enabled(head.weight.device.type)
            else head.weight.dtype, request.transform.scale, request.transform.softcap)
     request.probe = 0 if key in verified else PROBE_ROWS
+    unit = fsdp_unit(model, head) if torch.is_grad_enabled() else None
+    request.deferred = unit is not None
     previous, _ACTIVE = _ACTIVE, request
     try:
         outputs = model(**inputs)
@@ -115,6 +133,8 @@ def run_with_head(model, inputs: dict[str, Any], request: HeadRequest):
             f"blockdiag_cp log-probs: {type(configured_model(model)).__name__}'s forward did not call its output "
             "embedding (get_output_embeddings()); the log-prob head cannot run for this model"
         )
+    if request.deferred:
+        request.log_probs = as_unit_output(unit, lambda: _score(request, head))
     if request.probe:
         _check_transform(outputs, request, key[0])
         verified.add(key)

@@ -2,9 +2,13 @@
 
 `token_log_probs(hidden [N, H], weight [V, H], bias, targets [N], transform)` projects `chunk_size`
 rows at a time through the output embedding, turns each `[chunk, V]` tile into the log-prob of its
-targets (and, on request, per-token statistics), and keeps nothing of the tile. The backward
-recomputes each tile and accumulates the gradients of the hidden rows, the weight and the bias in
-fp32. So the largest tensor the head builds, forward or backward, is one tile.
+targets (and, on request, per-token statistics), and keeps nothing of the tile: the forward holds one
+fp32 tile (with its temporaries) at a time and saves the hidden rows and one log-sum-exp per row. The
+backward recomputes each tile and accumulates the gradients of the hidden rows, the weight and the
+bias in fp32: next to one tile it holds an fp32 `[V, H]` buffer for the weight's gradient (4 bytes
+per weight element, twice a bf16 gradient) and an fp32 `[N, H]` one for the rows', each cast to its
+tensor's dtype at the end (a copy unless fp32). Both passes also hold the weight in the compute
+dtype when autocast computes in another.
 
 `LogitTransform` is what the model's forward does to the output embedding's result before the
 softmax (a scale, Gemma's final soft-capping) and a sampling temperature; `capture.py` checks it
@@ -105,9 +109,10 @@ class _ChunkedLogProbs(torch.autograd.Function):
         lse_all = torch.empty_like(log_probs)
         extra = {name: torch.empty(n, dtype=torch.bool if name == "is_top1" else torch.float32, device=hidden.device)
                  for name in stats}
+        w = weight.to(dtype)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            z = transform.apply(_tile(hidden, weight, bias, start, stop, dtype))
+            z = transform.apply(_tile(hidden, w, bias, start, stop, dtype))
             lse = torch.logsumexp(z, dim=-1)
             target = z.gather(1, targets[start:stop, None]).squeeze(1)
             log_probs[start:stop] = target - lse
@@ -138,7 +143,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         w = weight.to(dtype)
         for start in range(0, hidden.shape[0], ctx.chunk):
             stop = min(start + ctx.chunk, hidden.shape[0])
-            raw = _tile(hidden, weight, bias, start, stop, dtype)
+            raw = _tile(hidden, w, bias, start, stop, dtype)
             # d log p[target] / d logits = onehot(target) - softmax, times the upstream gradient
             grad = torch.exp(transform.apply(raw) - lse_all[start:stop, None]).neg_()
             grad.scatter_add_(1, targets[start:stop, None], torch.ones_like(grad[:, :1]))

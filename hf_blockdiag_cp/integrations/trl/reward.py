@@ -23,6 +23,7 @@ from trl import RewardConfig, RewardTrainer
 from ...compat.trl import overrides
 from ...data.pairs import WholePairs
 from ...logprobs import per_document_sum
+from ...logprobs.fsdp import as_unit_output, fsdp_unit
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
 from .preference import PairMetrics, PreferenceCPMixin, ratio
@@ -93,6 +94,7 @@ def sequence_rewards(model, local: dict, last_token: torch.Tensor) -> torch.Tens
             f"the score head gave {None if scores is None else tuple(scores.shape)}; expected [1, L, 1] per token of the "
             "shard (a reward model has num_labels=1)"
         )
+    scores = as_unit_output(fsdp_unit(model, score_module(model)), lambda: scores)  # FSDP2's backward hooks
     count = int(step.layout.document_ids.max()) if step is not None else int(local["document_ids"].max())
     values = scores[0, :, 0] * last_token[0].to(scores.dtype)
     return per_document_sum(values, local["document_ids"], count, None if step is None else step.group)

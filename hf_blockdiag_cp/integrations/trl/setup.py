@@ -8,6 +8,7 @@ import logging
 from ...comm.notice import warn_once
 from ...compat.transformers import attn_implementation
 from ...compat.trl import unverified_message
+from ...logprobs.fsdp import unsharded_class
 from ...model_patches import apply_model_patches
 from ...step.model_support import configured_model
 from ..transformers import ATTN_IMPLEMENTATION
@@ -66,10 +67,11 @@ def prepare_reference(model, ref_model) -> None:
     runs: on `blockdiag_cp` attention (switched here, logged once at INFO, when it was loaded with another
     implementation) with the policy's model patches."""
     policy, ref = _base(model), configured_model(ref_model)
-    if type(ref).__name__ != type(policy).__name__ or ref.config.model_type != policy.config.model_type:
+    classes = [unsharded_class(m).__name__ for m in (policy, ref)]  # FSDP2 renames a sharded model's class
+    if classes[1] != classes[0] or ref.config.model_type != policy.config.model_type:
         raise ValueError(
-            f"ref_model is a {type(ref).__name__} ({ref.config.model_type}); expected the policy's architecture, "
-            f"{type(policy).__name__} ({policy.config.model_type}): the reference runs on the same shard step"
+            f"ref_model is a {classes[1]} ({ref.config.model_type}); expected the policy's architecture, "
+            f"{classes[0]} ({policy.config.model_type}): the reference runs on the same shard step"
         )
     vocab = [m.get_output_embeddings().weight.shape[0] for m in (policy, ref)]
     if vocab[0] != vocab[1]:
