@@ -51,11 +51,17 @@ def free_port() -> int:
 
 
 def load_script(path: Path, name: str):
-    """The script at `path` imported as module `name` (alone: an example imports no sibling)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The script at `path` imported as module `name`, its folder on sys.path meanwhile, as `python
+    script` has it (the benchmarks import their siblings; the examples import none, which
+    e2e/test_examples_alone.py checks)."""
+    sys.path.insert(0, str(path.parent))
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(path.parent))
 
 
 # What the launchers export (torchrun, MPI, accelerate's simple launcher); cleared before a run in process.
@@ -92,6 +98,7 @@ def run_in_process(monkeypatch, capsys, script: Path, args: list[str], env: dict
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.syspath_prepend(str(script.parent))  # as `python script` has it: the benchmarks import siblings
 
     def exit_now(code):
         raise ProcessExit(code)
