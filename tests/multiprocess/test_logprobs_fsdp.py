@@ -252,3 +252,39 @@ def test_grpo_under_fsdp2_matches_trl(gloo):
         for layout, got in result.items():
             assert got["wrapped"].startswith("FSDP"), f"GRPO {layout}: the model ran in {got['wrapped']}"
             rl.compare_rl_runs(got, want, f"GRPO {layout} rank {rank}")
+
+
+def unsharded_engine_case(rank, world_size, group):
+    """A model sharded beforehand, given to the DPO and GRPO trainers without FSDP in TrainingArguments:
+    the errors raised at construction, on each rank."""
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    rows = preference.preference_rows(**preference.ROWS)
+    messages = []
+    with accelerate_env(rank, world_size) as out:
+        policy = preference.policy_model("llama", "blockdiag_cp")
+        ref = preference.reference_model(policy)
+        for build in (
+            lambda: BlockdiagCPDPOTrainer(model=_sharded(policy, "root"), ref_model=ref,
+                                          args=preference.dpo_config(out, len(rows)),
+                                          train_dataset=preference.preference_dataset(rows),
+                                          processing_class=preference.char_tokenizer(), cp_size=CP,
+                                          max_tokens=TWO_PACKS),
+            lambda: rl.rl_trainer("grpo", _sharded(preference.policy_model("llama", "blockdiag_cp"), "head"),
+                                  rl.rl_config("grpo", out, max_completion_length=RL_SETTINGS["max_completion_length"]),
+                                  True, cp_size=CP),
+        ):
+            try:
+                build()
+                messages.append(None)
+            except ValueError as exc:
+                messages.append(str(exc))
+    return messages
+
+
+@needs_trl
+def test_a_sharded_model_without_fsdp_is_refused(gloo):
+    for rank, messages in enumerate(gloo(DP_SHARD * CP).run(unsharded_engine_case, timeout=120)):
+        for message in messages:
+            assert message is not None and "is sharded with FSDP2" in message, f"rank {rank}: {message}"
+            assert "fsdp=True, fsdp_config={'version': 2}" in message, message

@@ -169,6 +169,20 @@ def check_no_deepspeed(owner: str, args) -> None:
     )
 
 
+def check_sharded_model_engine(trainer) -> None:
+    """Raise if the model was sharded with FSDP2 (`fully_shard`) but the Trainer does not run FSDP:
+    accelerate would wrap the sharded model in DDP, which cannot reduce FSDP2's sharded parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if getattr(trainer, "is_fsdp_enabled", False) or not any(isinstance(m, FSDPModule) for m in trainer.model.modules()):
+        return
+    raise ValueError(
+        f"the model is sharded with FSDP2 (fully_shard), but {type(trainer).__name__} does not run FSDP "
+        "(TrainingArguments.fsdp is unset, or accelerate runs FSDP on accelerator devices only); expected "
+        "TrainingArguments(fsdp=True, fsdp_config={'version': 2}) on GPUs, or the model unsharded"
+    )
+
+
 def check_launched_world(args) -> None:
     """Raise if the launcher started several processes but TrainingArguments runs each alone: on a host
     without CUDA, transformers does that unless `use_cpu=True`."""
@@ -202,6 +216,7 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
     args = trainer.args
     check_launched_world(args)
     check_model_setup(trainer.model, args.world_size, cp_size, checkpointing_kwargs(args))
+    check_sharded_model_engine(trainer)
     check_no_foreign_parallelism("accelerator", getattr(trainer.accelerator, "parallelism_config", None))
     if args.per_device_train_batch_size != 1:
         raise ValueError(

@@ -31,6 +31,7 @@ from ..trainer.setup import (
     check_model_setup,
     check_no_deepspeed,
     check_no_foreign_parallelism,
+    check_sharded_model_engine,
     check_world,
     checkpointing_kwargs,
     resolve_cp_mesh,
@@ -69,6 +70,7 @@ class RLCPMixin:
         super().__init__(*args, **kwargs)
         apply_model_patches(self.accelerator.unwrap_model(self.model))
         check_model_setup(self.model, self.args.world_size, cp_size, checkpointing_kwargs(self.args), cache_allowed=True)
+        check_sharded_model_engine(self)
         if self.ref_model is not None:
             prepare_reference(self.model, self.ref_model)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
