@@ -137,10 +137,11 @@ def document_log_probs(
     sharded for one rank) and return the log-probs of its targets per token and per document.
 
     `stats`: per-token statistics to compute as well (`logprobs.head.STATS`: "entropy", "mean_logits",
-    "is_top1", "log_sum_sq_probs"); `chunk_size`: rows projected at once (the largest tensor is
-    chunk_size x vocab); `temperature` divides the logits (RL sampling). The model runs its own
-    forward (DDP, FSDP2, PEFT and compile wrappers included) without computing a loss; every rank of
-    the CP group must call this, in the same order as its other collectives.
+    "is_top1", "log_sum_sq_probs"); `chunk_size`: rows projected at once (one fp32 chunk_size x vocab
+    tile; the backward also holds an fp32 vocab x hidden weight gradient, `head`); `temperature`
+    divides the logits (RL sampling). The model runs its own forward (DDP, FSDP2 in any units, PEFT
+    and compile wrappers included) without computing a loss; every rank of the CP group must call
+    this, in the same order as its other collectives.
     """
     step = local.get(STEP_KWARG)
     tokens, extra, mask = shard_log_probs(model, local, stats=stats, chunk_size=chunk_size, temperature=temperature)
