@@ -2,6 +2,7 @@
 marker per test from its folder (`unit`, `multiprocess`, `gpu`, `e2e`; see pyproject.toml and
 docs/testing.md), one OpenMP thread per process, and the session-wide `gloo` fixture."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -39,6 +40,12 @@ def pytest_collection_modifyitems(config, items):
             misplaced.append(item.nodeid)
     if misplaced:
         raise pytest.UsageError(f"unit tests must not use the gloo fixture (move them to multiprocess/): {misplaced}")
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection imported (torch, transformers, TRL, the test modules): it lives for the
+    session, and the Trainer's and accelerate's gc.collect() calls would walk it each time."""
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
