@@ -20,7 +20,7 @@ from hf_blockdiag_cp.bench.setups import HIST_CSV
 from hf_blockdiag_cp.planning import PAIR_COUNT  # balanced layouts permute tiny packs
 from helpers.exchanges import exchanges_for
 from helpers.packs import make_pack
-from helpers.reference import build_models, make_docs, mean_over_group, reference_loss_and_grads, rel_err
+from helpers.reference import build_models, make_docs, mean_over_group, means_over_group, reference_loss_and_grads, rel_err
 
 LAYOUTS = ("contiguous", "balanced")
 PACKS = ("straddle", "padding_rank", "span_all")
@@ -60,10 +60,11 @@ def _flat(grads: dict, names) -> torch.Tensor:
     return torch.cat([grads[n].float().reshape(-1).cpu() for n in names])
 
 
-def _reference(ref32, docs, dtype):
-    """The fp32 per-document loss and gradients, and (for a half dtype) the stock model's own error
-    in that dtype against them: (loss32, grads32, stock_grad_err, stock_loss_err)."""
-    loss32, grads32 = reference_loss_and_grads(ref32, docs)
+def _reference(ref32, docs, dtype, group=None):
+    """The fp32 per-document loss and gradients (built by the ranks of `group` together), and (for a
+    half dtype) the stock model's own error in that dtype against them, on this rank alone:
+    (loss32, grads32, stock_grad_err, stock_loss_err)."""
+    loss32, grads32 = reference_loss_and_grads(ref32, docs, group=group)
     if dtype == torch.float32:
         return loss32, grads32, None, None
     loss_s, grads_s = reference_loss_and_grads(copy.deepcopy(ref32).to(dtype), docs)
@@ -79,8 +80,8 @@ def _cp_row(model, batch, group, world_size, config, loss32, grads32) -> dict:
     with train_ctx() as step:
         loss = model(**local).loss
         loss.backward()
-    grads = {n: mean_over_group(p.grad if p.grad is not None else torch.zeros_like(p), group, world_size)
-             for n, p in model.named_parameters()}
+    grads = means_over_group({n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()},
+                             group, world_size)
     names = list(grads32)
     slots = layout.slot_positions.reshape(-1)
     return {
@@ -111,7 +112,7 @@ def parity_matrix_case(
     rows = []
     for pack, docs, batch in named:
         ref32, model = build_models("llama", **model_dims(head_dim))
-        loss32, grads32, stock_grad_err, stock_loss_err = _reference(ref32.to(device), [d.to(device) for d in docs], dtype)
+        loss32, grads32, stock_grad_err, stock_loss_err = _reference(ref32.to(device), [d.to(device) for d in docs], dtype, group)
         model = model.to(device, dtype)
         enable_activation_checkpointing(model, use_reentrant=False)
         batch = {k: v.to(device) for k, v in batch.items()}

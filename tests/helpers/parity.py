@@ -5,6 +5,8 @@ the exchange tests (the bytes a step moved against its exchange record)."""
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import hf_blockdiag_cp as bdcp
@@ -18,17 +20,32 @@ TOL = 1e-4
 FAMILIES = (("llama", {}), ("qwen2", {}), ("mistral", {"sliding_window": 5}))
 
 
+_REFERENCES = {}  # (family, overrides, layout, world size) -> reference loss and gradients, per process
+
+
+def _reference(family, overrides, layout, docs, group, world_size):
+    """The stock model per document on the named pack, built by the ranks together once per process:
+    the exchange, layout and overlap variants of one pack share it (every rank of a pool runs the same
+    cases in the same order, so all of them find it or all build it)."""
+    key = (family, tuple(sorted(overrides.items())), layout, world_size)
+    if key not in _REFERENCES:
+        ref, _ = build_models(family, **overrides)
+        _REFERENCES[key] = reference_loss_and_grads(ref, docs, group=group)
+    return _REFERENCES[key]
+
+
 def parity_case(
     rank, world_size, group, layout, families=FAMILIES, backend="dense", exchange="allgather", layout_strategy="contiguous"
 ):
     """For every family and with/without activation checkpointing: the worst relative error."""
     config = bdcp.CPConfig(attn_backend=backend, kv_exchange=exchange, layout=layout_strategy, kernel_cost=PAIR_COUNT)
     worst = {}
+    docs, batch = make_pack(layout, world_size)
     for family, overrides in families:
+        ref_loss, ref_grads = _reference(family, overrides, layout, docs, group, world_size)
+        _, fresh = build_models(family, **overrides)
         for checkpointing in (False, True):
-            ref, model = build_models(family, **overrides)
-            docs, batch = make_pack(layout, world_size)
-            ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+            model = copy.deepcopy(fresh)
             if checkpointing:
                 enable_activation_checkpointing(model, use_reentrant=False)
             train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(group, None, batch, config=config)

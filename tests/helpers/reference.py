@@ -113,22 +113,69 @@ def make_pack(name: str, world_size: int, seed: int = 1, pad_token_id: int = 0):
 # --------------------------------------------------------------------------- the reference and errors
 
 
-def reference_loss_and_grads(ref, docs, extra_per_doc=None):
+def _document_batches(docs, extra_per_doc, group=None):
+    """The stock model's inputs, one document per row: documents of equal length share one forward
+    (a batch without padding or mask; each row attends to itself only), those with extra inputs run
+    alone; a 1-token document has no target and adds nothing to the loss, so it does not run. With a
+    `group`, this rank's share of them: longest first, each to the rank with the fewest tokens so far."""
+    if extra_per_doc:
+        batches = [(d[None], extra) for d, extra in zip(docs, extra_per_doc) if d.numel() > 1]
+    else:
+        by_length = {}
+        for d in docs:
+            if d.numel() > 1:
+                by_length.setdefault(d.numel(), []).append(d)
+        batches = [(torch.stack(same), {}) for same in by_length.values()]
+    if group is None or dist.get_world_size(group) == 1:
+        return batches
+    load, rank = [0] * dist.get_world_size(group), dist.get_rank(group)
+    mine = []
+    for ids, extra in sorted(batches, key=lambda b: -b[0].numel()):
+        least = min(range(len(load)), key=load.__getitem__)
+        load[least] += ids.numel()
+        if least == rank:
+            mine.append((ids, extra))
+    return mine
+
+
+def _local_loss_and_grads(ref, docs, extra_per_doc, group):
+    """This rank's part (`_document_batches`) of the reference loss, scaled by the whole count of
+    targets, and its gradients (zeros where none reached a parameter, which `has` tells)."""
+    ref.zero_grad(set_to_none=True)
+    count = sum(d.numel() - 1 for d in docs if d.numel() > 1)
+    total = torch.zeros((), dtype=torch.float32, device=next(ref.parameters()).device)  # float64 under `Float64`
+    for ids, extra in _document_batches(docs, extra_per_doc, group):
+        logits = ref(input_ids=ids, **extra).logits
+        total = total + F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="sum")
+    loss = total / count
+    if loss.requires_grad:
+        loss.backward()
+    params = dict(ref.named_parameters())
+    has = {n: p.grad is not None for n, p in params.items()}
+    grads = {n: p.grad.detach().clone() if has[n] else torch.zeros_like(p) for n, p in params.items()}
+    return loss.detach(), grads, has
+
+
+def _sum_over_group(loss, grads, has, group):
+    """The reference of `_local_loss_and_grads` summed over the ranks that shared it (one all-reduce):
+    (loss, {name: gradient} of the parameters a gradient reached on some rank)."""
+    if group is not None and dist.get_world_size(group) > 1:
+        flags = torch.tensor([float(h) for h in has.values()], dtype=loss.dtype, device=loss.device)
+        flat = torch.cat([loss.reshape(1), flags, *(g.reshape(-1).to(loss.dtype) for g in grads.values())])
+        dist.all_reduce(flat, group=group)
+        loss, flags, parts = flat[0], flat[1 : 1 + len(has)], flat[1 + len(has) :].split([g.numel() for g in grads.values()])
+        grads = {n: v.view_as(g).to(g.dtype) for (n, g), v in zip(grads.items(), parts)}
+        has = dict(zip(has, (bool(f > 0) for f in flags)))
+    return loss, {n: g for n, g in grads.items() if has[n]}
+
+
+def reference_loss_and_grads(ref, docs, extra_per_doc=None, group=None):
     """Mean next-token loss over all documents run separately, and its parameter gradients.
 
-    `extra_per_doc[i]` holds extra model inputs of document i (e.g. 3-D positions, pixels)."""
-    ref.zero_grad(set_to_none=True)
-    total, count = 0.0, 0
-    for i, d in enumerate(docs):
-        extra = extra_per_doc[i] if extra_per_doc else {}
-        logits = ref(input_ids=d[None], **extra).logits[0]
-        if d.numel() > 1:
-            total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
-            count += d.numel() - 1
-    loss = total / count
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    `extra_per_doc[i]` holds extra model inputs of document i (e.g. 3-D positions, pixels). With a
+    process `group` (every rank passing the same model and documents), the documents are spread over
+    its ranks and every rank gets the whole reference."""
+    return _sum_over_group(*_local_loss_and_grads(ref, docs, extra_per_doc, group), group)
 
 
 class Float64(TorchFunctionMode):
@@ -160,17 +207,17 @@ class Float64(TorchFunctionMode):
         return out
 
 
-def float64_reference(ref, docs, extra_per_doc=None):
+def float64_reference(ref, docs, extra_per_doc=None, group=None):
     """`reference_loss_and_grads` of a float64 copy of `ref`, every float32 cast inside it in float64
     too (`Float64`): the reference that fp32 runs, ours and the stock model's, are measured against."""
     ref64 = copy.deepcopy(ref).double()
     if getattr(ref64.config, "_experts_implementation", "eager") != "eager":  # grouped_mm has no float64
         ref64.set_experts_implementation("eager")
     with Float64() as mode:
-        loss, grads = reference_loss_and_grads(ref64, docs, extra_per_doc)
+        local = _local_loss_and_grads(ref64, docs, extra_per_doc, group)
     if mode.lower:
         raise AssertionError(f"the float64 reference computed in lower precision in {sorted(mode.lower)}")
-    return loss, grads
+    return _sum_over_group(*local, group)
 
 
 def mean_over_group(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
@@ -178,6 +225,12 @@ def mean_over_group(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
     if world_size > 1:
         dist.all_reduce(t, group=group)
     return t / world_size
+
+
+def means_over_group(tensors: dict, group, world_size: int) -> dict:
+    """`mean_over_group` of every tensor of a dict, in one all-reduce (the same sums, element by element)."""
+    flat = mean_over_group(torch.cat([t.detach().float().reshape(-1) for t in tensors.values()]), group, world_size)
+    return {name: v.view(t.shape) for (name, t), v in zip(tensors.items(), flat.split([t.numel() for t in tensors.values()]))}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -191,10 +244,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size):
     """Max relative error of the mean-over-ranks loss and of every parameter gradient."""
-    errors = {"loss": rel_err(mean_over_group(loss, group, world_size), ref_loss)}
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    means = means_over_group({"loss": loss.reshape(1), **grads}, group, world_size)
+    errors = {"loss": rel_err(means.pop("loss").reshape(()), ref_loss)}
     for name, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        errors[name] = rel_err(mean_over_group(g, group, world_size), ref_grads.get(name, torch.zeros_like(p)))
+        errors[name] = rel_err(means[name], ref_grads.get(name, torch.zeros_like(p)))
     return errors
 
 
@@ -204,9 +258,10 @@ ROUNDING_FACTOR = 4.0
 ROUNDING_FLOOR = 5e-5
 
 
-def fp32_references(ref, docs, extra_per_doc=None):
-    """The stock fp32 model per document and its float64 copy: ((loss, grads), (loss, grads))."""
-    return reference_loss_and_grads(ref, docs, extra_per_doc), float64_reference(ref, docs, extra_per_doc)
+def fp32_references(ref, docs, extra_per_doc=None, group=None):
+    """The stock fp32 model per document and its float64 copy: ((loss, grads), (loss, grads)); with a
+    `group`, built by its ranks together (`reference_loss_and_grads`)."""
+    return reference_loss_and_grads(ref, docs, extra_per_doc, group), float64_reference(ref, docs, extra_per_doc, group)
 
 
 def within_rounding(model, loss, references, group, world_size) -> dict | None:
@@ -215,10 +270,10 @@ def within_rounding(model, loss, references, group, world_size) -> dict | None:
     the parameter closest to (or furthest over) its bound ROUNDING_FACTOR * stock + ROUNDING_FLOOR,
     `ours` and `stock` being the relative errors of the CP gradient and of the stock fp32 gradient.
     Every rank calls it (the means are collectives); `references` None: the rank does not check
-    (the means are the same on every rank, so one rank builds the references), -> None."""
-    means = {name: mean_over_group(p.grad if p.grad is not None else torch.zeros_like(p), group, world_size)
-             for name, p in model.named_parameters()}
-    mean_loss = mean_over_group(loss, group, world_size)
+    (the means are the same on every rank, so a caller may check on one rank), -> None."""
+    grads = {name: p.grad if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+    means = means_over_group({"loss": loss.reshape(1), **grads}, group, world_size)
+    mean_loss = means.pop("loss").reshape(())
     if references is None:
         return None
     (_, stock_grads), (loss64, grads64) = references

@@ -25,7 +25,7 @@ def memory_case(rank, world_size, group, variant):
     tiled, offload = VARIANTS[variant]
     ref, model = build_models("llama")
     docs, batch = make_pack("span_all", world_size)
-    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=group)
     enable_activation_checkpointing(model, use_reentrant=False)
     if "+compile" in variant:  # compiled first: the offload goes inside compile_model's checkpoint wrapper
         bdcp.compile_model(model, "layers", backend="aot_eager")
@@ -98,7 +98,7 @@ def second_backward_case(rank, world_size, group):
 
     ref, model = build_models("llama")
     docs, batch = make_pack("span_all", world_size)
-    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=group)
     enable_activation_checkpointing(model, use_reentrant=False)
     enable_checkpoint_offload(model)
     offload = checkpoint_function(model.model.layers[0])

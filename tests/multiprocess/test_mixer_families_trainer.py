@@ -111,7 +111,7 @@ def trainer_case(rank, world_size, group, family, engine):
     """One optimizer step over the epoch's packs: (errors, wrapper type, pack shapes)."""
     ref, model = build_hybrid_pair(family)
     docs = make_docs(LENGTHS, seed=2)
-    ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=group)
     packs = len(PackedBatchSampler(LENGTHS, MAX_TOKENS).epoch_packs())
     gradients = _GradientsBeforeStep()
     fields, context = _engine(engine)
@@ -166,7 +166,7 @@ def sft_case(rank, world_size, group, family, engine):
 
     ref, model = build_hybrid_pair(family)
     chosen = _texts()
-    ref_loss, ref_grads = reference_loss_and_grads(ref, [torch.tensor(encode(t) + [EOS_ID]) for t in chosen])
+    ref_loss, ref_grads = reference_loss_and_grads(ref, [torch.tensor(encode(t) + [EOS_ID]) for t in chosen], group=group)
     gradients = _GradientsBeforeStep()
     fields, context = _engine(engine)
     with accelerate_env(rank, world_size) as out, context:

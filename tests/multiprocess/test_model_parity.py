@@ -51,7 +51,7 @@ def model_parity_case(rank, world_size, group, family, mixed_longrope=False, ove
     if mixed_longrope:
         ref_loss, ref_grads = packed_stock_reference(ref, docs)
     else:
-        ref_loss, ref_grads = reference_loss_and_grads(ref, docs, extra)
+        ref_loss, ref_grads = reference_loss_and_grads(ref, docs, extra, group=group)
     results = {}
     for checkpointing in (False, True):
         m = copy.deepcopy(model)

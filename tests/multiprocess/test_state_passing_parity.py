@@ -48,8 +48,8 @@ def parity_case(rank, world_size, group, family):
     results, references = {}, {}
     for pack, strategy, checkpointing in VARIANTS[: 2 if world_size == 1 else None]:  # one rank holds more than padding
         docs, batch = long_pack(world_size) if pack == "long" else make_pack(pack, world_size)
-        if pack not in references:  # the variants of one pack share its reference
-            references[pack] = reference_loss_and_grads(ref, docs)
+        if pack not in references:  # the variants of one pack share its reference, which the ranks build together
+            references[pack] = reference_loss_and_grads(ref, docs, group=group)
         ref_loss, ref_grads = references[pack]
         trained, loss, mixers = _run(model, batch, group, strategy, checkpointing)
         errors = compare_with_reference(trained, ref_loss, ref_grads, loss, group, world_size)

@@ -34,13 +34,14 @@ CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cos
 PACKS = ("straddle", "span_all")  # the pack of dp replica 0 and of replica 1 (helpers.reference layouts)
 
 
-def _references(ref, dims):
+def _references(ref, dims, group):
     """Per replica: its pack (documents, batch), its reference loss; and the reference gradients
-    averaged over the replicas (what FSDP2's average over dp_shard × cp gives)."""
+    averaged over the replicas (what FSDP2's average over dp_shard × cp gives). The ranks of `group`
+    build each replica's reference together."""
     packs, losses, grads = [], [], {}
     for replica in range(dims.dp_size):
         docs, batch = make_pack(PACKS[replica % len(PACKS)], dims.cp, seed=1 + replica)
-        loss, replica_grads = reference_loss_and_grads(ref, docs)
+        loss, replica_grads = reference_loss_and_grads(ref, docs, group=group)
         packs.append(batch)
         losses.append(loss)
         for name, g in replica_grads.items():
@@ -69,7 +70,7 @@ def tp_cp_fsdp_case(rank, world_size, group, family, dp_shard, cp, tp, dp_replic
     dims = bdcp.ParallelDims(dp_replicate, dp_shard, cp, tp)  # world size and rank: the default group's
     mesh = dims.build_mesh("cpu")
     ref, model = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
-    packs, ref_losses, ref_grads = _references(ref, dims)
+    packs, ref_losses, ref_grads = _references(ref, dims, group)
     heads_width = model.config.num_attention_heads * model.config.head_dim
     model = wrap_model(model, mesh, fsdp=True)
     widths = _local_head_widths(model)
