@@ -2,9 +2,10 @@
 
 Generation is taken out of the comparison: both TRL's own trainer and ours get the same completions,
 a deterministic function of each prompt and its place in the batch (`InjectedCompletions`), from 1
-to `LONGEST` tokens, some cut at `max_completion_length` without EOS (truncated). The reference is
-TRL's own `GRPOTrainer` / `RLOOTrainer` run the stock way: the stock model with eager attention, the
-completions padded, no CP, at the same world size (each rank its own prompts, as TRL distributes
+to `LONGEST` tokens (or the lengths a test names), some cut at `max_completion_length` without EOS
+(truncated). The reference is TRL's own `GRPOTrainer` / `RLOOTrainer` run the stock way: the stock
+model with a stock attention (`model_kwargs`: eager, or sdpa in test_trl_rl.py), the completions
+padded, no CP, at the same world size (each rank its own prompts, as TRL distributes
 them). Ours runs the same ranks as CP groups; one optimizer step of plain SGD: the loss, every
 parameter gradient (before the optimizer step) and every logged metric must equal the reference's.
 """
