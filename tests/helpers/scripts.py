@@ -1,7 +1,8 @@
 """Running the example scripts from the e2e tests: start one in the background with a log, wait
-for it (failing the test with the log's tail), a free port for a lone rank's launch environment,
-a script loaded as a module (for its pure functions), and a script's `__main__` run inside the
-test's process under a launcher's environment (for its error paths: no interpreter to start)."""
+for it (failing the test with the log's tail), an example copied alone into an empty folder (to run
+it from there), a free port and torchrun's variables for a lone rank, a script loaded as a module
+(for its pure functions), and a script's `__main__` run inside the test's process under a
+launcher's environment (for its error paths: no interpreter to start)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 import logging
 import os
 import runpy
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,8 +32,25 @@ def script_env(**extra: str) -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **extra)
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+def start(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
+    return subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def copied_alone(name: str, folder: Path) -> Path:
+    """examples/`name` copied into `folder`, created empty: run from there (cwd `folder`, the script by
+    its name), it has no sibling script to import and no repository file to read."""
+    folder.mkdir()
+    shutil.copy(ROOT / "examples" / name, folder / name)
+    return folder / name
+
+
+def assert_left_alone(script: Path, outputs: str = "out") -> None:
+    """After a run of a `copied_alone` script: its folder holds the script and its `outputs` folder only."""
+    held = sorted(p.name for p in script.parent.iterdir())
+    assert held == sorted([script.name, outputs]), f"{script.parent} holds {held}"
 
 
 def finish(proc: subprocess.Popen, log: Path, what: str, timeout: float = 300) -> None:
@@ -48,6 +67,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int = 2) -> dict[str, str]:
+    """What torchrun exports to `rank` of a `world_size`-process world (the peers are never started)."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def load_script(path: Path, name: str):
