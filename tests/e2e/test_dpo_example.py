@@ -1,5 +1,6 @@
 """`examples/train_dpo.py` end to end: TRL's DPO on packed pairs under block-diagonal CP launched by
-`torchrun --standalone --nproc-per-node 2` (cp = 2) logs the same per-step losses as one process
+`torchrun --standalone --nproc-per-node 2` (cp = 2; the example copied alone into an empty folder and
+run from there) logs the same per-step losses as one process
 (cp = 1) on the same packs (plain SGD, no clipping: a gradient scale error would show), and its
 sharded `evaluate()` after training equals TRL's stock `DPOTrainer.evaluate()` (the stock eager
 model with the trained weights the run saved, the same initial reference, every eval pair in one
@@ -9,13 +10,14 @@ multiprocess/test_trl_dpo.py. A bad argument ends the run with one line."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 pytest.importorskip("trl")
 
-from helpers.scripts import ROOT, finish, load_script, run_in_process, start  # noqa: E402
+from helpers.scripts import (  # noqa: E402
+    ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, run_in_process, start,
+)
 
 EXAMPLE = ROOT / "examples" / "train_dpo.py"
 STEPS = 10
@@ -52,16 +54,17 @@ def stock_evaluate(model_dir, output_dir) -> dict:
 def side_by_side(tmp_path, monkeypatch, capsys) -> tuple[dict, dict]:
     """metrics.json of the one-process run (`python train_dpo.py`, cp = 1, in this process) and of
     torchrun's two ranks (cp = 2), started first and running meanwhile."""
-    out = {cp: tmp_path / f"cp{cp}" for cp in (1, 2)}
+    alone = copied_alone(EXAMPLE.name, tmp_path / "alone")
+    out = {1: tmp_path / "cp1", 2: alone.parent / "out"}
     log = tmp_path / "torchrun.log"
-    torchrun = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                      str(EXAMPLE), *ARGS, "--output-dir", str(out[2])], log)
+    torchrun = start([*TORCHRUN_2, alone.name, *ARGS, "--output-dir", "out"], log, cwd=alone.parent)
     try:
         status, stdout, stderr = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(out[1])], {},
                                                 process_group=True)
     finally:
-        finish(torchrun, log, "torchrun --standalone --nproc-per-node 2")
+        finish(torchrun, log, "torchrun --standalone --nproc-per-node 2, train_dpo.py copied alone")
     assert status in (None, 0), (stdout + stderr)[-3000:]
+    assert_left_alone(alone)
     single, cp2 = (json.loads((out[cp] / "metrics.json").read_text()) for cp in (1, 2))
     return single, cp2
 
@@ -76,7 +79,7 @@ def test_cp2_dpo_run_matches_one_process_and_stock_evaluate(tmp_path, monkeypatc
         assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: cp=2 loss {b} vs 1 process {a}"
     assert len(cp2["trl"]["rewards/margins"]) == STEPS and cp2["trl"]["rewards/margins"][-1] > 0, cp2["trl"]
 
-    stock = stock_evaluate(tmp_path / "cp2", tmp_path / "stock")
+    stock = stock_evaluate(tmp_path / "alone" / "out", tmp_path / "stock")
     for name in EVAL_METRICS:
         bound = METRIC_TOL * max(1.0, abs(stock[name]))
         assert abs(cp2[name] - stock[name]) <= bound, f"{name}: cp=2 {cp2[name]} vs stock DPOTrainer {stock[name]}"

@@ -1,5 +1,6 @@
 """`examples/train_grpo.py` end to end: TRL's GRPO with its log-probs under block-diagonal CP, launched by
-`torchrun --standalone --nproc-per-node 2`, logs the same per-step losses and TRL metrics with two CP
+`torchrun --standalone --nproc-per-node 2` (the example copied alone into an empty folder and run from
+there), logs the same per-step losses and TRL metrics with two CP
 ranks (cp = 2) as with two data-parallel ranks (cp = 1): each rank samples its own completions in
 both runs, as TRL does at that world size, so the generations are the same and only CP differs (plain
 SGD, no clipping: a gradient scale error would show). Exactness against TRL's own trainer is in
@@ -8,14 +9,13 @@ multiprocess/test_trl_rl.py."""
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from helpers.scripts import ROOT, finish, load_script, start  # noqa: E402
+from helpers.scripts import ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, start  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_grpo.py"
 STEPS = 5
@@ -28,11 +28,12 @@ METRIC_TOL = 1e-5  # absolute, relative to the value's magnitude where that is a
 def test_cp2_grpo_run_matches_two_data_parallel_ranks(tmp_path):
     runs = {}
     for cp in (1, 2):
-        out, log = tmp_path / f"cp{cp}", tmp_path / f"cp{cp}.log"
-        runs[cp] = (out, log, start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                     "2", str(EXAMPLE), *ARGS, "--cp-size", str(cp), "--output-dir", str(out)], log))
-    for cp, (_, log, proc) in runs.items():
-        finish(proc, log, f"torchrun --nproc-per-node 2 train_grpo.py --cp-size {cp}")
+        alone, log = copied_alone(EXAMPLE.name, tmp_path / f"cp{cp}"), tmp_path / f"cp{cp}.log"
+        runs[cp] = (alone.parent / "out", log, start([*TORCHRUN_2, alone.name, *ARGS, "--cp-size", str(cp),
+                                                      "--output-dir", "out"], log, cwd=alone.parent))
+    for cp, (out, log, proc) in runs.items():
+        finish(proc, log, f"torchrun --nproc-per-node 2 train_grpo.py --cp-size {cp}, copied alone")
+        assert_left_alone(out.parent / EXAMPLE.name)
     dp2, cp2 = (json.loads((runs[cp][0] / "metrics.json").read_text()) for cp in (1, 2))
     assert (dp2["dp_size"], cp2["cp_size"], cp2["dp_size"]) == (2, 2, 1), (dp2, cp2)
     assert len(dp2["losses"]) == len(cp2["losses"]) == STEPS

@@ -1,5 +1,6 @@
 """`examples/sft_trl.py` end to end: TRL's packed SFT under block-diagonal CP launched by
-`torchrun --standalone --nproc-per-node 2` (cp = 2) logs the same per-step losses and the same
+`torchrun --standalone --nproc-per-node 2` (cp = 2; the example copied alone into an empty folder
+and run from there) logs the same per-step losses and the same
 sharded eval loss as one process (cp = 1) on the same packs (plain SGD, no clipping: a gradient
 scale error would show). The exactness against the stock model per document and against TRL's
 stock SFTTrainer is in multiprocess/test_trl_sft.py. A bad argument ends each rank with one line
@@ -15,7 +16,9 @@ import pytest
 
 pytest.importorskip("trl")
 
-from helpers.scripts import ROOT, finish, free_port, load_script, run_in_process, script_env, start  # noqa: E402
+from helpers.scripts import (  # noqa: E402
+    ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, run_in_process, script_env, start, torchrun_env,
+)
 
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
 STEPS = 3
@@ -27,15 +30,16 @@ TOL = 1e-4
 
 
 def test_cp2_sft_run_matches_one_process(tmp_path, monkeypatch, capsys):
-    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = start([*launch, str(EXAMPLE), *ARGS, "--output-dir", str(two_dir)], tmp_path / "two.log")
+    one_dir, alone = tmp_path / "one", copied_alone(EXAMPLE.name, tmp_path / "alone")
+    two_dir = alone.parent / "out"
+    two = start([*TORCHRUN_2, alone.name, *ARGS, "--output-dir", "out"], tmp_path / "two.log", cwd=alone.parent)
     try:  # the one-process run (`python sft_trl.py`) in this process while torchrun's ranks run
         status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(one_dir)], {},
                                           process_group=True)
         assert status in (None, 0), (out + err)[-3000:]
     finally:
-        finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
+        finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2, sft_trl.py copied alone")
+    assert_left_alone(alone)
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], cp2["cp_size"], cp2["world_size"]) == (1, 2, 2), "torchrun did not start 2 CP ranks"
@@ -67,8 +71,7 @@ def test_argument_errors_name_the_flag(world_size, args, expected):
 
 def test_bad_argument_ends_each_rank_with_one_line():
     """Rank 1 of a 2-process world, started alone: it must exit 2 with the one-line reason, not wait for its peer."""
-    env = script_env(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(free_port()))
+    env = script_env(**torchrun_env(1))
     run = subprocess.run([sys.executable, str(EXAMPLE), "--max-length", "250"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     lines = (run.stdout + run.stderr).strip().splitlines()
