@@ -1,15 +1,16 @@
-"""The main job end to end: `torchrun --standalone --nproc-per-node 2 examples/train_packed.py` (cp=2)
-logs the same per-step losses as one process, and both equal an independent reference: the
-stock eager model run on every document of the step's packs separately, updated by plain
-SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). Both example scripts
-reject a bad argument (sizes, kernel, exchange and layout names), or a one-process `accelerate
-launch` of a multi-process CPU run, with one line in every worker before any collective, alone and
-under torchrun, and end every worker with one line when the kernel asked for cannot run. Each of
-those paths runs once under its real launcher (torchrun, accelerate launch); the other cases run the
-script's `__main__` in the test's process under the launcher's environment (`run_in_process`: no
-interpreter to start per case). The main job's log names the kernel, exchange and layout it ran.
-The pure parts (the launch environment and the embedded corpus) are in
-unit/test_launcher_and_corpus.py."""
+"""The main job end to end: `torchrun --standalone --nproc-per-node 2 train_packed.py` (cp=2), the
+example copied alone into an empty folder and run from there, logs the same per-step losses as one
+process, and both equal an independent reference: the stock eager model run on every document of
+the step's packs separately, updated by plain SGD (Adam and clipping would hide a wrong gradient
+scale; SGD does not). Both example scripts reject a bad argument (sizes, kernel, exchange and
+layout names), or a one-process `accelerate launch` of a multi-process CPU run, with one line in
+every worker before any collective, and end every worker with one line when the kernel asked for
+cannot run. A failure under each real launcher runs once (torchrun: the kernel that cannot run,
+after the process group is up; accelerate launch: the one-process launch; a lone `python` rank:
+test_sft_example.py); the other cases run the script's `__main__` in the test's process under the
+launcher's environment (`run_in_process`: no interpreter to start per case), each rank of a
+2-process world alone. The main job's log names the kernel, exchange and layout it ran. The pure
+parts (the launch environment and the embedded corpus) are in unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
 
@@ -26,9 +27,8 @@ import torch.nn.functional as F
 from hf_blockdiag_cp.data.corpus import decode_bytes
 from hf_blockdiag_cp.kernels import kernel_names
 from hf_blockdiag_cp.step.state import log_choices
+from helpers.scripts import TORCHRUN_2, assert_left_alone, copied_alone, load_script, run_in_process, torchrun_env
 from helpers.scripts import finish as _finish
-from helpers.scripts import free_port as _free_port
-from helpers.scripts import load_script, run_in_process
 from helpers.scripts import start as _start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,17 +77,18 @@ def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", "keys"), ("nemotron_h", False), ("lfm2", False)],
-                         ids=["llama", "qwen3_5-overlap-keys", "nemotron_h", "lfm2"])
+@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", "keys")], ids=["llama", "qwen3_5-overlap-keys"])
 def test_cp2_run_matches_one_process_and_reference(tmp_path, monkeypatch, capsys, caplog, arch, overlap):
     """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP,
     with `--overlap keys` on its full-attention layers' all-gather (overlapped with attention split by
-    keys; the hybrid without overlap is tests/multiprocess/test_hybrid_parity.py's); for the tiny Nemotron-H (`--tiny-arch nemotron_h`): its Mamba2 layers by state passing; and for
-    the tiny LFM2 (`--tiny-arch lfm2`): its short convolutions with their halo passed between ranks."""
+    keys; the hybrid without overlap is tests/multiprocess/test_hybrid_parity.py's). The other tiny
+    hybrids, Nemotron-H's Mamba2 layers by state passing and LFM2's short convolutions with their halo
+    passed between ranks, are exact against the stock model per document at G = 1-4 in
+    tests/multiprocess/test_state_passing_parity.py::test_matches_per_document_reference."""
     args = [*ARGS, "--tiny-arch", arch, *(["--overlap", overlap] if overlap else [])]
-    one_dir, two_dir = tmp_path / "one", tmp_path / "two"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = _start([*launch, str(EXAMPLE), *args, "--output-dir", str(two_dir)], tmp_path / "two.log")
+    one_dir, alone = tmp_path / "one", copied_alone(EXAMPLE.name, tmp_path / "alone")
+    two_dir = alone.parent / "out"
+    two = _start([*TORCHRUN_2, alone.name, *args, "--output-dir", "out"], tmp_path / "two.log", cwd=alone.parent)
     try:  # the one-process run (`python train_packed.py`) in this process while torchrun's ranks run; its log
         log_choices.cache_clear()  # lines reach pytest's handlers (caplog), and are said once per process
         status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*args, "--output-dir", str(one_dir)], {},
@@ -96,8 +97,9 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, monkeypatch, capsys
         (tmp_path / "one.log").write_text(out + err + caplog.text)
         reference = reference_losses(STEPS, args)
     finally:
-        _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2")
+        _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2, train_packed.py copied alone")
 
+    assert_left_alone(alone)
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], single["dp_size"]) == (1, 1)
@@ -149,12 +151,6 @@ FA4_UNAVAILABLE = ("attn_backend='fa4' cannot run here: flash-attn-4 (flash_attn
                    "environment: not installed (the [fa4] extra)")
 
 
-def _rank_env(rank: int) -> dict[str, str]:
-    """What torchrun exports to `rank` of a 2-process world (the peer is never started)."""
-    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()))
-
-
 def _check_one_line_exit(status, out: str, err: str, expected: str, what, exact: bool = False) -> None:
     """Exit status 2, the output ending with `error: <expected>` (`exact`) or `error: <expected...>`,
     the only `error:` line, and no traceback."""
@@ -175,6 +171,8 @@ def _check_one_line_exit(status, out: str, err: str, expected: str, what, exact:
          "that can overlap attention"),
         ("trainer_packed.py", 0, ["--attn-backend", "bogus"], BOGUS_BACKEND),  # both ranks: torchrun's two workers
         ("trainer_packed.py", 1, ["--attn-backend", "bogus"], BOGUS_BACKEND),
+        ("train_packed.py", 0, ["--attn-backend", "bogus"], BOGUS_BACKEND),
+        ("train_packed.py", 1, ["--attn-backend", "bogus"], BOGUS_BACKEND),
     ],
 )
 def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(monkeypatch, capsys, script, rank, args,
@@ -184,28 +182,12 @@ def test_bad_argument_ends_each_rank_with_one_line_before_any_collective(monkeyp
     missing peer until the timeout (here reaching `init_process_group` fails the test). It must
     instead exit 2 at once, its output ending with the one-line reason and holding no traceback. One
     case per kind of check (sizes, argparse ranges, the data file, the CPConfig fields), over both
-    scripts and ranks; real launches: sft_trl.py's lone rank (test_sft_example.py) and torchrun's
-    workers of train_packed.py below."""
-    status, out, err = run_in_process(monkeypatch, capsys, ROOT / "examples" / script, args, _rank_env(rank))
+    scripts and ranks, the kernel name on both ranks of both. Launched failures: sft_trl.py's lone
+    rank (test_sft_example.py), the one-process accelerate launch and torchrun's workers of
+    trainer_packed.py (below)."""
+    status, out, err = run_in_process(monkeypatch, capsys, ROOT / "examples" / script, args, torchrun_env(rank))
     _check_one_line_exit(status, out, err, expected, (script, rank), exact=expected == BOGUS_BACKEND)
     assert not torch.distributed.is_initialized()
-
-
-def test_bad_backend_under_torchrun_ends_the_workers_with_one_line():
-    """Under torchrun itself: every worker that gets to print says the same single `error:` line
-    and exits 2 (torchrun may stop the second worker first), and no worker prints a traceback;
-    what remains is torchrun's own report of the failed workers. (trainer_packed.py's workers: the
-    in-process cases above.)"""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*launch, str(EXAMPLE), "--attn-backend", "bogus"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=RUN_TIMEOUT)
-    lines = _output_lines(run)
-    errors = [line for line in lines if line.startswith("error:")]
-    assert run.returncode != 0 and errors, lines[-20:]
-    assert set(errors) == {f"error: {BOGUS_BACKEND}"}
-    assert "exitcode  : 2" in run.stderr, lines[-20:]  # torchrun's summary of the first failed worker
-    assert not any(line.startswith("[rank") for line in lines), lines[:20]  # a worker's traceback
 
 
 # What accelerate's simple launcher (`accelerate launch --cpu --num_processes 2`, no MPI) exports to the one
@@ -242,8 +224,9 @@ def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, 
     """`--attn-backend fa4` where flash-attn-4 does not import: known, so the launch check lets it
     pass, and the first attention call finds it cannot run. Every worker that gets to print says so
     in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report).
-    trainer_packed.py under torchrun; train_packed.py and sft_trl.py as one process (`python
-    script`), their `__main__` run in this process, which must end at its `os._exit(2)`."""
+    trainer_packed.py under torchrun, the suite's launched torchrun failure: its workers fail after
+    the process group is up; train_packed.py and sft_trl.py as one process (`python script`), their
+    `__main__` run in this process, which must end at its `os._exit(2)`."""
     from hf_blockdiag_cp.kernels.attention.fa4 import available
 
     if available():
@@ -258,9 +241,8 @@ def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, 
             (status, lines[-20:])
         assert "Traceback" not in err and "raise ValueError" not in err, lines
         return
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*launch, str(path), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    run = subprocess.run([*TORCHRUN_2, str(path), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=RUN_TIMEOUT)
     lines = _output_lines(run)
     errors = [line for line in lines if line.startswith("error:")]
