@@ -18,7 +18,7 @@ pytest.importorskip("datasets")
 from helpers.scripts import ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, start  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_grpo.py"
-STEPS = 3
+STEPS = 5
 ARGS = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", "0.05", "--max-grad-norm", "0", "--seed", "0",
         "--max-completion-length", "24", "--prompts", "32", "--completions-per-rank", "4"]
 LOSS_TOL = 1e-5  # relative, fp32
