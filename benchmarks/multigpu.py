@@ -316,7 +316,8 @@ def parse_args(argv=None):
     p.add_argument("--attention-budget-s", type=float, default=300)
     p.add_argument("--overlap-budget-s", type=float, default=150)
     p.add_argument("--e2e-models", type=lambda s: s.split(","), default=["1.2b", "8b"])
-    p.add_argument("--e2e-tokens", type=int, nargs="+", default=[65536, 131072, 262144, 524288, 1048576])
+    p.add_argument("--e2e-tokens", type=int, nargs="+", default=None,
+                   help="e2e pack sizes (default 65536 131072 262144 524288 1048576; with --tiny 256 512 1024)")
     p.add_argument("--e2e-max-tokens", type=int, default=0, help="keep doubling past the list up to this size (until OOM)")
     p.add_argument("--e2e-single", action="store_true", help="also run G = 1 on rank 0's GPU for the per-GPU comparison")
     p.add_argument("--e2e-single-tokens", type=int, nargs="*", default=None, help="G = 1 pack sizes (default: --e2e-tokens)")

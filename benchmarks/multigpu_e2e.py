@@ -42,7 +42,7 @@ def _free_port() -> int:
 
 
 def _e2e_sizes(args) -> list[int]:
-    sizes = sorted(args.e2e_tokens)
+    sizes = sorted(args.e2e_tokens or ([256, 512, 1024] if args.tiny else [65536, 131072, 262144, 524288, 1048576]))
     while args.e2e_max_tokens and sizes[-1] * 2 <= args.e2e_max_tokens:
         sizes.append(sizes[-1] * 2)
     return sizes
@@ -54,7 +54,7 @@ def part_e2e(ctx: Ctx, args) -> dict:
     rows = []
     deadline = time.time() + args.e2e_budget_s
     models = ["tiny"] if args.tiny else args.e2e_models
-    sizes = [256, 512, 1024] if args.tiny else _e2e_sizes(args)
+    sizes = _e2e_sizes(args)
     runs = [(m, ctx.world) for m in models]
     if ctx.world > 1 and args.e2e_single:
         runs += [(m, 1) for m in models]  # G = 1 on rank 0's GPU, for the per-GPU comparison
