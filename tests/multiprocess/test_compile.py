@@ -6,7 +6,8 @@ whose documents, padding and rank assignment differ. Each step's loss and every 
 the eager model's on the same pack (Llama: ≤ 1e-5 relative, fp32, dense kernel) and the
 independent reference (the stock model on every document alone, I1, I2); the compiled graphs
 hold the decoder layers' dense math (RMSNorm, MLP), not the attention call; and no pack after
-the first compiles anything (frames and graphs counted by dynamo). FSDP2 around a compiled model
+the first compiles anything (frames and graphs counted by dynamo; one compiled model switched from
+overlapping by queries to by keys compiles once more at the switch, then nothing). FSDP2 around a compiled model
 (per layer and whole) stays exact. The Trainer's `torch_compile=True` is tested in test_trainer.py.
 """
 
@@ -70,9 +71,10 @@ def train_step(model, batch, group, config=CONFIG):
 
 
 def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=PACKS, family="llama",
-                 overlap=False, transport="auto"):
+                 overlaps=(False,), transports=("auto",)):
     """Per pack: the worst relative error against the eager model (this rank's loss and gradients)
-    and against the reference (means over the group), and dynamo's running totals after the step."""
+    and against the reference (means over the group), and dynamo's running totals after the step.
+    One compiled model takes the packs under each overlap mode and each mixer transport in turn."""
     torch.compiler.reset()
     GRAPH_OPS.clear()
     ref, eager = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
@@ -80,7 +82,10 @@ def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_e
         enable_activation_checkpointing(eager, use_reentrant=False)
     compiled = compile_model(copy.deepcopy(eager), regions, backend=recording_backend(backend))
     steps = []
-    for seed, (lengths, n_pad) in enumerate(PACKS[:packs] if isinstance(packs, int) else packs):
+    packs = PACKS[:packs] if isinstance(packs, int) else packs
+    runs = [(overlap, transport, seed, *p) for overlap in overlaps for transport in transports
+            for seed, p in enumerate(packs)]
+    for overlap, transport, seed, lengths, n_pad in runs:
         docs, batch = pack(lengths, n_pad, seed)
         ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
         want_loss, want_grads = train_step(eager, batch, group, CONFIG.replace(mixer_transport=transport))
@@ -90,19 +95,22 @@ def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_e
         vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
         vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, group, world_size)
         worst = max(vs_ref, key=vs_ref.get)
-        steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "compiled": totals, "worst": (worst, vs_ref[worst])})
+        steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "compiled": totals,
+                      "worst": (worst, vs_ref[worst]), "mode": (overlap, transport)})
     return {"steps": steps, "graph_ops": [sorted(ops) for ops in GRAPH_OPS]}
 
 
-def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL):
+def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL, switch_compiles=False):
+    """`switch_compiles`: a new mode (overlap, transport) may compile on its first pack, else nothing may."""
     for rank, res in enumerate(results):
         steps = res["steps"]
         for i, s in enumerate(steps):
             assert s["vs_eager"] <= eager_tol, f"{what} rank {rank} pack {i}: {s['vs_eager']:.2e} off the eager model"
             assert s["vs_reference"] <= REFERENCE_TOL, f"{what} rank {rank} pack {i}: {s['worst']} off the reference"
-        totals = [s["compiled"] for s in steps]
-        assert totals[0][1] > 0, f"{what} rank {rank}: nothing compiled"
-        assert totals[1:] == totals[:1] * (len(totals) - 1), f"{what} rank {rank}: later packs compiled again: {totals}"
+        assert steps[0]["compiled"][1] > 0, f"{what} rank {rank}: nothing compiled"
+        for mode in dict.fromkeys(s["mode"] for s in steps) if switch_compiles else [None]:
+            totals = [s["compiled"] for s in steps if mode is None or s["mode"] == mode]
+            assert totals[1:] == totals[:1] * (len(totals) - 1), f"{what} {mode} rank {rank}: later packs compiled again: {totals}"
         ops = " ".join(op for graph in res["graph_ops"] for op in graph)
         # The decoder layers' dense math is in the graphs (MLP activation, RMSNorm), the attention call is not.
         assert "silu" in ops and "rsqrt" in ops, f"{what} rank {rank}: no decoder layer compiled: {res['graph_ops']}"
@@ -110,27 +118,31 @@ def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL):
 
 
 @pytest.mark.parametrize(
-    "world_size,regions,checkpointing,overlap",
-    [(2, "model", False, False), (2, "layers", False, False), (2, "layers", True, False), (1, "model", False, False),
-     (2, "model", True, "queries"), (2, "model", True, "keys")],
-    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap", "cp2-model-ac-overlap-keys"],
+    "world_size,regions,checkpointing,overlaps",
+    [(2, "model", False, (False,)), (2, "layers", False, (False,)), (2, "layers", True, (False,)),
+     (1, "model", False, (False,)), (2, "model", True, ("queries", "keys"))],
+    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap"],
 )
-def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing, overlap):
-    """Also compiled with the exchange overlapped, split by queries and by keys (against the eager
-    model in order): its collectives and the merge stay out of the graphs like the plain exchange's."""
+def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing, overlaps):
+    """Also compiled with the exchange overlapped, split by queries and then by keys on the same compiled
+    model (against the eager model in order): its collectives and the merge stay out of the graphs like
+    the plain exchange's; the switch may compile on its first pack, no later pack compiles."""
     results = gloo(world_size).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing,
-                                   overlap=overlap)
-    _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}")
+                                   overlaps=overlaps)
+    _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}", switch_compiles=True)
 
 
-@pytest.mark.parametrize("world_size,transport", [(2, "heads"), (2, "states"), (3, "states")])
-def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo, world_size, transport):
+@pytest.mark.parametrize("world_size,transports", [(2, ("heads", "states")), (3, ("states",))],
+                         ids=["2-heads-states", "3-states"])
+def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo, world_size, transports):
     """Qwen3.5-style hybrid: its gated delta-rule token mixer (head-parallel all-to-alls, or state
-    passing's all-gathers) is a graph break like attention. Against the eager model the I1 bound: its
-    gate gradients (A_log, dt_bias) are small, so the compiled projections' rounding shows at about 1e-5."""
+    passing's all-gathers; at G = 2 both in turn on one compiled model, the switch compiling nothing) is a
+    graph break like attention.
+    Against the eager model the I1 bound: its gate gradients (A_log, dt_bias) are small, so the compiled
+    projections' rounding shows at about 1e-5."""
     results = gloo(world_size).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5",
-                                   transport=transport)
-    _assert_compiled_steps(results, f"qwen3_5 cp{world_size} layers {transport}", eager_tol=REFERENCE_TOL)
+                                   transports=transports)
+    _assert_compiled_steps(results, f"qwen3_5 cp{world_size} layers {'+'.join(transports)}", eager_tol=REFERENCE_TOL)
 
 
 def test_inductor_compiled_layers_match_eager(gloo):
