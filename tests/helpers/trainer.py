@@ -1,6 +1,7 @@
 """The tiny Llama the Trainer tests train (the parity config of helpers/reference.py, no cache), their
 training arguments, and how a gloo pool worker runs a Trainer: accelerate's view of the rank, no
-console callbacks, the attention calls of a CP step counted."""
+console callbacks, the attention calls of a CP step counted; a one-process stock reference run in the
+test's process while the pool works (`run_beside`)."""
 
 from __future__ import annotations
 
@@ -107,3 +108,14 @@ def counting_attention():
         yield query_rows
     finally:
         AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
+
+
+def run_beside(pool, fn, reference, timeout: float = 300.0, **kwargs):
+    """`pool.run(fn, **kwargs)` while this process computes `reference()` (a stock one-process run):
+    a one-rank pool leaves the second core idle otherwise. Returns `(runs by rank, reference())`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as executor:
+        runs = executor.submit(pool.run, fn, timeout, **kwargs)
+        want = reference()  # on an error, leaving the block still waits for the pool's answer
+        return runs.result(), want

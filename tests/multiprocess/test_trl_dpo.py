@@ -16,7 +16,7 @@ from helpers.preference import (  # noqa: E402
     FAMILIES, PACK, ROWS, GradCapture, char_tokenizer, compare_runs, dpo_config, first_sequence_tokens, policy_model,
     preference_dataset, preference_rows, reference_model, training_logs,
 )
-from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
+from helpers.trainer import accelerate_env, checkpointing_settings, quiet, run_beside  # noqa: E402
 from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES  # noqa: E402
 
 DPO_METRICS = ("entropy", "num_tokens", "logits/chosen", "logits/rejected", "mean_token_accuracy", "rewards/chosen",
@@ -73,10 +73,10 @@ def test_dpo_matches_trl_per_family(gloo, cp_size):
     """Every family at G = 1..4, the sigmoid and ipo losses summed, activation checkpointing at even G;
     the long chosen sequence straddles three ranks at G = 4."""
     assert first_sequence_tokens(preference_rows(**ROWS)) > 2 * PACK // 4, "the long sequence spans fewer than 3 shards"
-    runs = gloo(cp_size).run(dpo_case, timeout=600, families=FAMILIES, cp_size=cp_size, loss_type=FAMILY_LOSS,
+    runs, stock = run_beside(gloo(cp_size), dpo_case, lambda: {f: stock_dpo(f, FAMILY_LOSS) for f in FAMILIES},
+                             timeout=600, families=FAMILIES, cp_size=cp_size, loss_type=FAMILY_LOSS,
                              checkpointing=cp_size % 2 == 0)
-    for family in FAMILIES:
-        want = stock_dpo(family, FAMILY_LOSS)
+    for family, want in stock.items():
         for rank, got in enumerate(runs):
             compare_runs(got[family], want, f"{family} G={cp_size} rank {rank}", DPO_METRICS)
 
@@ -234,9 +234,9 @@ SMALL_ROWS = tuple(dict(count=6, long_chars=0, seed=4).items())
 def test_every_dpo_loss_matches_trl(gloo):
     """G = 1 (the same code path as any G): every loss_type of TRL 1.16, the MPO combination, WPO
     weighting, LD-DPO's ld_alpha and two f-divergences, against TRL's stock trainer."""
-    runs = gloo(1).run(variant_case, timeout=600, variant="model", option_sets=OPTION_SETS, rows=SMALL_ROWS)
-    for options in OPTION_SETS:
-        want = stock_variant("model", options, SMALL_ROWS)
+    runs, stock = run_beside(gloo(1), variant_case, lambda: [stock_variant("model", o, SMALL_ROWS) for o in OPTION_SETS],
+                             timeout=600, variant="model", option_sets=OPTION_SETS, rows=SMALL_ROWS)
+    for options, want in zip(OPTION_SETS, stock):
         compare_runs(runs[0][options], want, f"DPOConfig{dict(options)}", DPO_METRICS)
 
 

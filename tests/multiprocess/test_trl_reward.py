@@ -17,7 +17,7 @@ from helpers.preference import (  # noqa: E402
     FAMILIES, PACK, PAD_TOKENS, ROWS, GradCapture, char_tokenizer, compare_runs, equal_length_rows, pad_tokenizer,
     preference_dataset, preference_rows, reward_classifier, reward_config, training_logs,
 )
-from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
+from helpers.trainer import accelerate_env, checkpointing_settings, quiet, run_beside  # noqa: E402
 
 REWARD_METRICS = ("num_tokens", "min_reward", "mean_reward", "max_reward", "accuracy", "margin")
 
@@ -70,10 +70,10 @@ def reward_case(rank, world_size, group, families, cp_size, checkpointing, margi
 def test_reward_matches_trl_per_family(gloo, cp_size):
     """Every family at G = 1..4 with a margin column and center_rewards_coefficient, activation
     checkpointing at even G."""
-    runs = gloo(cp_size).run(reward_case, timeout=600, families=FAMILIES, cp_size=cp_size,
-                             checkpointing=cp_size % 2 == 0, margin=True, center=0.01)
-    for family in FAMILIES:
-        want = stock_reward(family, True, 0.01)
+    runs, stock = run_beside(gloo(cp_size), reward_case, lambda: {f: stock_reward(f, True, 0.01) for f in FAMILIES},
+                             timeout=600, families=FAMILIES, cp_size=cp_size, checkpointing=cp_size % 2 == 0,
+                             margin=True, center=0.01)
+    for family, want in stock.items():
         for rank, got in enumerate(runs):
             compare_runs(got[family], want, f"{family} G={cp_size} rank {rank}", REWARD_METRICS)
 
@@ -130,10 +130,10 @@ def test_reward_is_read_where_the_model_pools(gloo, cp_size):
     last non-pad token is the one before the appended EOS) and one with its own pad token, at G = 1..4:
     evaluate() on mixed-length pairs (the long one across three shards at G = 4) and on equal-length
     pairs (no padding in the stock batch), then one training step, against TRL's own RewardTrainer."""
-    stock = {pad: stock_pooling(pad) for pad in PAD_TOKENS}
+    runs, stock = run_beside(gloo(cp_size), pooling_case, lambda: {pad: stock_pooling(pad) for pad in PAD_TOKENS},
+                             timeout=300, cp_size=cp_size, pads=tuple(PAD_TOKENS))
     moved = abs(stock["eos"]["eval"]["mixed"]["eval_loss"] - stock["distinct"]["eval"]["mixed"]["eval_loss"])
     assert moved > 100 * 1e-5, f"the pad token does not move the stock scores ({moved:.1e}): the test could not fail"
-    runs = gloo(cp_size).run(pooling_case, timeout=300, cp_size=cp_size, pads=tuple(PAD_TOKENS))
     for rank, got in enumerate(runs):
         for pad, want in stock.items():
             what = f"pad {pad} G={cp_size} rank {rank}"
