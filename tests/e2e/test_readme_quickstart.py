@@ -1,6 +1,7 @@
 """Every complete Python example of README.md (each ```python block is one) runs as written on CPU
-under `torchrun --standalone --nproc-per-node 2`, with only `"your/model"` replaced by a tiny local
-Llama saved with `save_pretrained`; the quick start also as `python train.py`, one process (a CP
+under `torchrun --standalone --nproc-per-node 2` (all in one launch, one after the other), with only
+`"your/model"` replaced by a tiny local Llama saved with `save_pretrained`; the quick start also as
+`python train.py`, one process (a CP
 group of one; its `__main__` run in the test's process). Checks appended per section compare with
 an independent reference: the quick start's CP loss, averaged over the CP group, equals the stock
 eager model's token-weighted loss over each document of the pack alone; the Trainer example trains
@@ -110,13 +111,14 @@ def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
     return run.returncode, run.stdout + run.stderr
 
 
-def _example_script(tmp_path: Path, heading: str, code: str) -> Path:
-    """The example with the tiny model and its section's checks; each rank leaves a file when it finished
-    (printed lines of two ranks can interleave)."""
-    model = _tiny_model(tmp_path / "tiny")
-    done = f'open({str(tmp_path)!r} + "/done" + __import__("os").environ.get("RANK", "0"), "w").write("{DONE}")\n'
-    script = tmp_path / "example.py"
-    script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + done)
+def _example_script(tmp_path: Path, heading: str, code: str, model: str | None = None, name: str = "example.py",
+                    done: str = "done") -> Path:
+    """The example with the tiny model and its section's checks; each rank leaves a file `{done}{rank}` when
+    it finished (printed lines of two ranks can interleave)."""
+    model = model or _tiny_model(tmp_path / "tiny")
+    marker = f'open({str(tmp_path)!r} + "/{done}" + __import__("os").environ.get("RANK", "0"), "w").write("{DONE}")\n'
+    script = tmp_path / name
+    script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + marker)
     return script
 
 
@@ -124,14 +126,27 @@ def test_readme_holds_the_checked_examples():
     assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
 
 
-@pytest.mark.parametrize("heading, code", python_examples(), ids=[h for h, _ in python_examples()])
-def test_readme_example_runs_under_torchrun_on_cpu(tmp_path, heading, code):
+def test_readme_examples_run_under_torchrun_on_cpu(tmp_path):
+    """All examples in one torchrun launch (each interpreter started costs seconds of imports): every
+    rank runs each example's file as `python file` runs it (`runpy`: its own namespace and
+    `sys.argv`), the quick start last, as its check ends the process group. So the quick start's
+    `init_parallel` joins the group the Trainer example's TrainingArguments started; starting one under
+    torchrun is what train_packed.py's `init_parallel` does in test_train_example.py."""
     if torch.cuda.is_available():
         pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
-    assert '"your/model"' in code, f"the {heading} example loads no model to replace"
-    rc, out = _torchrun(_example_script(tmp_path, heading, code), tmp_path)
+    examples = sorted(python_examples(), key=lambda example: example[0] == "Quick start")
+    model = _tiny_model(tmp_path / "tiny")
+    files = []
+    for i, (heading, code) in enumerate(examples):
+        assert '"your/model"' in code, f"the {heading} example loads no model to replace"
+        files.append(str(_example_script(tmp_path, heading, code, model, f"example{i}.py", f"done{i}-")))
+    driver = tmp_path / "run_examples.py"
+    driver.write_text(f"import runpy, sys\n\nfor path in {files!r}:\n    sys.argv = [path]\n"
+                      "    runpy.run_path(path, run_name='__main__')\n")
+    rc, out = _torchrun(driver, tmp_path)
     assert rc == 0, out[-3000:]
-    assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0", "done1"], out[-3000:]
+    finished = sorted(p.name for p in tmp_path.glob("done*"))
+    assert finished == [f"done{i}-{rank}" for i in range(len(files)) for rank in (0, 1)], (finished, out[-3000:])
 
 
 def test_quick_start_runs_as_one_process(monkeypatch, capsys, tmp_path):
