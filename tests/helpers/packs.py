@@ -7,12 +7,13 @@ import torch
 from hf_blockdiag_cp.planning import document_ids_from_lengths
 from helpers.reference import LAYOUTS, layout_lengths, make_docs, make_pack  # noqa: F401 (re-exported)
 
-LOCAL = 96  # rows per rank of the long pack
+LOCAL = 64  # rows per rank of the long pack
 
 
 def long_pack(world_size: int):
-    """1-token documents, then one document over three ranks (G >= 3; both ranks at G = 2; 212 tokens:
-    four chunks of 64), short documents, then 3 padding tokens; `LOCAL` rows per rank."""
+    """1-token documents, then one document over three ranks (G >= 3, 148 tokens: three chunks of 64 of
+    the delta rule; both ranks at G = 2, 116 tokens), short documents, then 3 padding tokens; `LOCAL`
+    rows per rank."""
     total = LOCAL * world_size
     long_doc = min(2 * LOCAL + 20, total - 12)
     lengths = [1, 3, long_doc, 1]
