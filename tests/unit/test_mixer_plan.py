@@ -32,7 +32,8 @@ DIM = 2
 def _reference_states(ids: torch.Tensor, A: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """o_t = c_t · s_t with s restarted (zero) at every document start; padding rows 0."""
     out, s = torch.zeros(ids.numel(), dtype=torch.float64), torch.zeros(DIM, dtype=torch.float64)
-    for t in range(ids.numel()):
+    ids = ids.tolist()
+    for t in range(len(ids)):
         if t == 0 or ids[t] != ids[t - 1]:
             s = torch.zeros(DIM, dtype=torch.float64)
         s = A[t] @ s + b[t]
@@ -117,14 +118,16 @@ def test_state_passing_equals_each_document_alone(pack):
 
 
 def _reference_conv(ids: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """out[t] = sum_j w[j] · x[t - j] over the j reaching back no further than t's segment start."""
-    out = torch.zeros_like(x)
-    for t in range(x.numel()):
-        for j in range(w.numel()):
+    """out[t] = sum_j w[j] · x[t - j] over the j reaching back no further than t's segment start (in
+    Python floats: float64, as the tensors)."""
+    ids, xs, ws = ids.tolist(), x.tolist(), w.tolist()
+    out = [0.0] * len(xs)
+    for t in range(len(xs)):
+        for j in range(len(ws)):
             if t - j < 0 or ids[t - j] != ids[t]:
                 break
-            out[t] += w[j] * x[t - j]
-    return out
+            out[t] += ws[j] * xs[t - j]
+    return torch.tensor(out, dtype=x.dtype)
 
 
 @settings(max_examples=150, deadline=None)

@@ -80,6 +80,7 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
     layout = make_layout(pack_ids(runs), cp_size, kind)
     record = get_exchange(exchange)
     xplan = plan_exchange(layout) if record.needs_plan else None
+    work, key_work = (overlap_work(layout), key_local_work(layout)) if exchange == "allgather" else (None, None)
     for rank in range(cp_size):
         mine = record.plan(layout, xplan, rank)  # the rows the exchange returns, and the plan over them
         full, all_rows = mine.rank_plan, mine.row_positions
@@ -107,10 +108,10 @@ def test_parts_split_the_queries_exactly(runs, cp_size, kind, exchange):
             held = set(layout.slot_positions[rank].tolist())
             pairs = [(q, k) for q, k in full_pairs if q in brute_positions]
             local_pairs = sum(1 for q, k in pairs if layout.document_ids[q] > 0 or k in held)
-            assert int(overlap_work(layout)[rank]) == local_pairs
+            assert int(work[rank]) == local_pairs
             # What the split by keys runs during the exchange: every pair whose key this rank holds.
             key_pairs = sum(1 for q, k in full_pairs if q in held and k in held)
-            assert int(key_local_work(layout)[rank]) == key_pairs >= local_pairs
+            assert int(key_work[rank]) == key_pairs >= local_pairs
         # The merge restores query order from cat([local, remote]) (or cat([remote, local])).
         order = torch.tensor(remote + local if split.remote_first else local + remote)
         merged = order if split.merge_index is None else order[split.merge_index]
@@ -155,6 +156,7 @@ def test_a_split_by_keys_computes_every_pair_once(runs, cp_size, kind, exchange)
     layout = make_layout(pack_ids(runs), cp_size, kind)
     record = get_exchange(exchange)
     xplan = plan_exchange(layout) if record.needs_plan else None
+    key_work = key_local_work(layout) if exchange == "allgather" else None
     for rank in range(cp_size):
         mine = record.plan(layout, xplan, rank)
         full, all_rows = mine.rank_plan, mine.row_positions
@@ -177,7 +179,7 @@ def test_a_split_by_keys_computes_every_pair_once(runs, cp_size, kind, exchange)
         assert sorted(computed) == want
         if exchange == "allgather":
             local_pairs = len(_kernel_pairs(split.local.plan))
-            assert int(key_local_work(layout)[rank]) == local_pairs
+            assert int(key_work[rank]) == local_pairs
 
 
 def test_a_split_by_keys_of_a_document_over_two_ranks():
