@@ -1,7 +1,9 @@
 """The long-pack memory helpers (integrations/memory.py) leave training exact: with activation
 checkpointing, a sequence-tiled MLP and host offload of checkpointed layer inputs, alone and
-together and under `compile_model` (also with the exchange overlapped), give the loss and every gradient of the stock eager model run on each document
-separately, at cp = 1, 2 and 3 (documents over every rank, tiles smaller than a shard)."""
+together and under `compile_model` with the exchange overlapped, give the loss and every gradient of
+the stock eager model run on each document separately, at cp = 1, 2 and 3 (documents over every rank,
+tiles smaller than a shard). Compiled without overlap and without these helpers:
+tests/multiprocess/test_compile.py."""
 
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ from hf_blockdiag_cp.compat.transformers import checkpoint_function, enable_acti
 from hf_blockdiag_cp.integrations.memory import CheckpointOffload, enable_checkpoint_offload, enable_tiled_mlp
 
 TOL = 1e-5
-VARIANTS = {"tiled": (True, False), "offload": (False, True), "both": (True, True), "both+compile": (True, True),
-            "both+compile+overlap": (True, True)}
+VARIANTS = {"tiled": (True, False), "offload": (False, True), "both": (True, True), "both+compile+overlap": (True, True)}
 
 
 def memory_case(rank, world_size, group, variant):
@@ -39,7 +40,7 @@ def memory_case(rank, world_size, group, variant):
     return counts, compare_with_reference(model, ref_loss, ref_grads, loss, group, world_size)
 
 
-@pytest.mark.parametrize("variant,world_size", [("tiled", 2), ("offload", 2), ("both", 1), ("both", 3), ("both+compile", 2),
+@pytest.mark.parametrize("variant,world_size", [("tiled", 2), ("offload", 2), ("both", 1), ("both", 3),
                                                 ("both+compile+overlap", 3)])
 def test_memory_helpers_stay_exact(gloo, world_size, variant):
     layers = tiny_model().config.num_hidden_layers
