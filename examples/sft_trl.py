@@ -41,7 +41,7 @@ from hf_blockdiag_cp.integrations.liger import enable_fused_cross_entropy
 from hf_blockdiag_cp.integrations.scripts import (
     OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, config_error,
     cp_config_from_args, dataset_error, layout_error, load_raw_dataset, loaded, one_line_errors, process_group_closed,
-    tokenizer_error, write_outputs,
+    tokenizer_error, trainer_metrics, write_outputs,
 )
 
 
@@ -139,23 +139,6 @@ def sft_config(args, world_size: int, cp_size: int):
         bf16=args.bf16)  # explicit: TRL's default is True
 
 
-def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
-    """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
-    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
-    return {
-        "losses": [h["loss"] for h in steps],
-        "grad_norms": [h["grad_norm"] for h in steps],
-        "tokens_per_second": real / final["train_runtime"],
-        "cp_size": cp_size,
-        "dp_size": world_size // cp_size,
-        "world_size": world_size,
-        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
-        "real_tokens": real,
-        "train_runtime_s": final["train_runtime"],
-    }
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -178,7 +161,7 @@ def main(argv=None) -> int:
         cp_config=cp_config_from_args(args),
     )
     trainer.train()
-    metrics = run_metrics(trainer, world_size, cp_size)
+    metrics = trainer_metrics(trainer, world_size, cp_size)
     if args.eval:
         evaluated = trainer.evaluate()
         metrics.update(eval_loss=evaluated["eval_loss"], eval_tokens=evaluated["eval_tokens"])

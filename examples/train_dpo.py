@@ -65,7 +65,8 @@ from hf_blockdiag_cp.data import corpus
 from hf_blockdiag_cp.integrations.demo import CHAR_SPECIAL_TOKENS, char_tokenizer, tiny_config
 from hf_blockdiag_cp.integrations.scripts import (
     OneLineParser, add_cp_config_arguments, check_launch, check_ranges, checkpointing_arguments, config_error,
-    cp_config_from_args, fail, layout_error, loaded, one_line_errors, process_group_closed, write_outputs,
+    cp_config_from_args, fail, layout_error, loaded, one_line_errors, process_group_closed, trainer_metrics,
+    write_outputs,
 )
 from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES
 
@@ -198,23 +199,6 @@ def dpo_config(args, world_size: int, cp_size: int):
         bf16=args.bf16)  # explicit: TRL's default is True
 
 
-def run_metrics(trainer, world_size: int, cp_size: int) -> dict:
-    """metrics.json from the Trainer's log history (per-step logs carry the CP token metrics)."""
-    steps = [h for h in trainer.state.log_history if "loss" in h]
-    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
-    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
-    return {
-        "losses": [h["loss"] for h in steps],
-        "grad_norms": [h["grad_norm"] for h in steps],
-        "tokens_per_second": real / final["train_runtime"],
-        "cp_size": cp_size,
-        "dp_size": world_size // cp_size,
-        "world_size": world_size,
-        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
-        "real_tokens": real,
-        "train_runtime_s": final["train_runtime"],
-    }
-
 
 def trl_metrics(trainer) -> dict[str, list[float]]:
     """TRL's metrics per optimizer step, as the Trainer logged them."""
@@ -244,7 +228,7 @@ def main(argv=None) -> int:
         )
     trainer.train()
     evaluated = trainer.evaluate() if args.eval else {}
-    metrics = run_metrics(trainer, world_size, cp_size)
+    metrics = trainer_metrics(trainer, world_size, cp_size)
     metrics.update(trl=trl_metrics(trainer), max_tokens=trainer.packing.max_tokens, max_length=args.max_length,
                    beta=args.beta, loss_type=args.loss_type, pairs=len(data), loss_label="DPO loss (mean over pairs)")
     metrics.update({name: value for name, value in evaluated.items() if name.startswith("eval_")})

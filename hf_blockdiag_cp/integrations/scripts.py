@@ -4,8 +4,8 @@ Every rank sees the same command line and world size, so every rank reaches the 
 argument ends the run on every rank with one `error: <reason>` line and exit status 2, before any
 process group, model or data exists, never a hang (`check_launch`, `OneLineParser`, `fail`). Also:
 the `CPConfig` fields as command-line flags and their checks, `--dataset` files read by suffix, a
-tokenizer without a vocabulary refused, the run's outputs (`metrics.json`, `loss.png`), and the
-Trainer's activation-checkpointing fields as the installed Transformers spells them.
+tokenizer without a vocabulary refused, the run's outputs (`metrics.json` from a trainer's log history,
+`loss.png`), and the Trainer's activation-checkpointing fields as the installed Transformers spells them.
 """
 
 from __future__ import annotations
@@ -242,6 +242,25 @@ def checkpointing_arguments(enabled: bool) -> dict:
     fields = TrainingArguments.__dataclass_fields__
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     return {name: enabled, f"{name}_kwargs": {"use_reentrant": False} if enabled else None}
+
+
+def trainer_metrics(trainer, world_size: int, cp_size: int) -> dict:
+    """`metrics.json` of a finished `BlockdiagCPTrainer` / TRL trainer run, from its log history: loss,
+    gradient norm and packing efficiency per logged step, real tokens per second over the run."""
+    steps = [h for h in trainer.state.log_history if "loss" in h]
+    final = next(h for h in reversed(trainer.state.log_history) if "train_runtime" in h)
+    real = sum(v for h in steps for k, v in h.items() if k.startswith("cp_real_tokens_rank"))
+    return {
+        "losses": [h["loss"] for h in steps],
+        "grad_norms": [h["grad_norm"] for h in steps],
+        "tokens_per_second": real / final["train_runtime"],
+        "cp_size": cp_size,
+        "dp_size": world_size // cp_size,
+        "world_size": world_size,
+        "packing_efficiency": [h["cp_packing_efficiency"] for h in steps],
+        "real_tokens": real,
+        "train_runtime_s": final["train_runtime"],
+    }
 
 
 def write_outputs(output_dir: Path, metrics: dict, title: str) -> None:
