@@ -13,8 +13,8 @@ reference of TRL's tokenized texts: the stock SFTTrainer, the reference of test_
 no reference here, as Transformers lets these mixers cross documents on a packed row.
 
 accelerate runs FSDP only on accelerator devices: on the CPU it drops the FSDP plugin and wraps
-the model in DDP. `_fsdp_on_cpu` lets it keep the plugin for CPU processes, so that the Trainer
-takes its FSDP2 path (accelerate's `fully_shard` per decoder layer, then the root) on gloo.
+the model in DDP. `helpers.fsdp.fsdp_on_cpu` lets it keep the plugin for CPU processes, so that the
+Trainer takes its FSDP2 path (accelerate's `fully_shard` per decoder layer, then the root) on gloo.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from transformers import TrainerCallback, TrainingArguments
 from hf_blockdiag_cp.data import PackedBatchSampler
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
 from hf_blockdiag_cp.step import SHARD_KEY
+from helpers.fsdp import fsdp_on_cpu
 from helpers.model_zoo import build_hybrid_pair
 from helpers.reference import make_docs, reference_loss_and_grads, rel_err
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet, trainer_settings
@@ -37,27 +38,6 @@ FAMILIES = ("qwen3_5", "nemotron_h", "lfm2", "kimi_linear", "jamba")  # one per 
 MAX_TOKENS = 64  # 32 rows per rank
 # First-fit decreasing packs [45, 6, 3, 1] (the 45 tokens over both ranks) and [20] (rank 1: padding only).
 LENGTHS = [45, 20, 6, 3, 1]
-
-
-@contextlib.contextmanager
-def _fsdp_on_cpu():
-    """accelerate keeps a given FSDP plugin (distributed type FSDP) for CPU processes too, which it
-    otherwise trains with DDP (it sets FSDP only for accelerator devices)."""
-    from unittest import mock
-
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType
-
-    init = AcceleratorState.__init__
-
-    def init_keeping_fsdp(self, *args, fsdp_plugin=None, **kwargs):
-        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
-            self.distributed_type = DistributedType.FSDP
-            self.fsdp_plugin = fsdp_plugin
-
-    with mock.patch.object(AcceleratorState, "__init__", init_keeping_fsdp):
-        yield
 
 
 class _GradientsBeforeStep(TrainerCallback):
@@ -97,7 +77,7 @@ def _engine(engine: str) -> tuple[dict, contextlib.AbstractContextManager]:
     args = checkpointing_settings(use_reentrant=False)
     if engine == "ddp":
         return args, contextlib.nullcontext()
-    return {**args, "fsdp": True, "fsdp_config": {"version": 2}}, _fsdp_on_cpu()
+    return {**args, "fsdp": True, "fsdp_config": {"version": 2}}, fsdp_on_cpu()
 
 
 def _trained(trainer, gradients: _GradientsBeforeStep, ref_loss, ref_grads) -> tuple[dict, str]:
