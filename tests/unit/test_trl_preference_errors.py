@@ -86,3 +86,22 @@ def test_reference_of_another_model(reference, expected):
         ref = AutoModelForCausalLM.from_config(config, attn_implementation="blockdiag_cp")
     with pytest.raises(ValueError, match=expected):
         _dpo(preference_rows(count=2), ref=ref)
+
+
+def test_padding_free_is_not_changed_in_the_users_config(caplog):
+    """TRL's `padding_free` has no use on packs: the trainer trains on a copy without it and says so in
+    one INFO line; the user's DPOConfig keeps what they set."""
+    import logging
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    with accelerate_env(0, 1) as out, caplog.at_level(logging.INFO, logger="hf_blockdiag_cp"):
+        policy = policy_model("llama", "blockdiag_cp")
+        args = dpo_config(out, 1, padding_free=True)
+        trainer = BlockdiagCPDPOTrainer(model=policy, ref_model=reference_model(policy), args=args,
+                                        train_dataset=preference_dataset(preference_rows(count=2)),
+                                        processing_class=char_tokenizer(), max_tokens=1024)
+        trainer.train()  # one step on the copy
+    assert args.padding_free is True and trainer.args.padding_free is False
+    lines = [r.getMessage() for r in caplog.records if "padding_free" in r.getMessage()]
+    assert len(lines) == 1 and "yours is unchanged" in lines[0], lines

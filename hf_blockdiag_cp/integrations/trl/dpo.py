@@ -18,6 +18,8 @@ precomputed before training (`precompute_ref_log_probs=True`, packed the same wa
 from __future__ import annotations
 
 import contextlib
+import copy
+import logging
 
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ from .preference import PairMetrics, PreferenceCPMixin, ratio
 from .setup import (
     is_peft, pack_size, pad_token_of, prepare_reference, require_pair_columns, warn_if_unverified_trl,
 )
+
+logger = logging.getLogger(__name__)
 
 DPO_SUMS = ("pairs", "rewards_chosen", "rewards_rejected", "accuracies", "margins", "logps_chosen", "logps_rejected",
             "entropy", "targets", "logits_chosen", "targets_chosen", "logits_rejected", "targets_rejected",
@@ -62,7 +66,11 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         if args.use_liger_kernel:
             raise ValueError("DPOConfig.use_liger_kernel is True; expected False: Liger's kernels are not verified "
                              "under block-diagonal CP in the DPO trainer")
-        args.padding_free = False  # packs are padding-free here; TRL's own flag would only warn and fall back
+        if args.padding_free:  # packs hold no padding here; TRL's own flag would only warn and fall back
+            logger.info("DPOConfig.padding_free=True is not needed: BlockdiagCPDPOTrainer's packs hold no padding; "
+                        "the trainer runs on a copy of the config with padding_free=False (yours is unchanged)")
+            args = copy.copy(args)
+            args.padding_free = False
         self.pair_metrics = PairMetrics(DPO_SUMS)
         self._pending_reference: list[str] = []
         super().__init__(
