@@ -105,3 +105,15 @@ def test_padding_free_is_not_changed_in_the_users_config(caplog):
     assert args.padding_free is True and trainer.args.padding_free is False
     lines = [r.getMessage() for r in caplog.records if "padding_free" in r.getMessage()]
     assert len(lines) == 1 and "yours is unchanged" in lines[0], lines
+
+
+def test_every_pair_dropped_by_trl_names_max_length():
+    """Text pairs that TRL's preparation drops at a short `max_length` (DPO: the prompt alone fills it;
+    reward: a sequence longer than it): the error names the TRL setting and how many pairs went."""
+    rows = [{"prompt": "abcdefghij" * 2, "chosen": " yes", "rejected": " no"},
+            {"prompt": "klmnopqrst" * 2, "chosen": " ok", "rejected": " nay"}]
+    with pytest.raises(ValueError, match=r"dropped all 2 pairs: it drops a pair whose prompt alone fills "
+                                         r"DPOConfig.max_length=8 .*; raise max_length"):
+        _dpo(rows, max_length=8)
+    with pytest.raises(ValueError, match=r"dropped all 2 pairs: .* longer than RewardConfig.max_length=8; raise max_length"):
+        _reward(rows, max_length=8)

@@ -115,10 +115,14 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         if self.args.torch_compile:
             self.add_callback(_CompileCheckpointedBodies(self.accelerator.state.dynamo_plugin.to_kwargs()))
         check_trainer_setup(self, cp_size)
-        check_train_dataset(self.train_dataset)  # at construction: empty, the Trainer would end at once and exit 0
+        check_train_dataset(self.train_dataset, self._empty_dataset_cause())  # empty: the Trainer would end at once
         self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
+
+    def _empty_dataset_cause(self) -> str | None:
+        """Why the train dataset came out empty, where a setting of the trainer's explains it (None here)."""
+        return None
 
     # ---------------------------------------------------------------- data
 
@@ -284,15 +288,18 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         self.cp_callback.record_packs_without_targets(packs)
 
 
-def check_train_dataset(dataset) -> None:
+def check_train_dataset(dataset, cause: str | None = None) -> None:
     """Raise ValueError for a `train_dataset` without an example (`None`, for evaluation only, and
-    datasets without a length pass): the Trainer would stop at once and exit 0 having trained nothing."""
+    datasets without a length pass): the Trainer would stop at once and exit 0 having trained nothing.
+    `cause`, where the trainer knows it (a TRL setting that dropped every example), leads the message."""
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
         return
     try:
         size = len(dataset)
     except TypeError:
         return
+    if size == 0 and cause:
+        raise ValueError(f"train_dataset holds no example: {cause}")
     if size == 0:
         raise ValueError(
             "train_dataset holds no example (len 0): the Trainer would stop at once, having trained nothing. If a "

@@ -92,7 +92,12 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         columns = require_pair_columns(dataset, dataset_name, ("prompt_ids", "chosen_ids", "rejected_ids"))
         if {"prompt_ids", "chosen_ids", "rejected_ids"} <= columns:
             return dataset
-        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        return self._count_prepared(dataset_name, dataset, prepared)
+
+    def _dropped_by(self) -> str:
+        return (f"it drops a pair whose prompt alone fills DPOConfig.max_length={self.args.max_length} "
+                f"(truncation_mode={self.args.truncation_mode!r} leaves no completion token)")
 
     def _pair_reader(self):
         return PromptCompletionPairs(self.args.max_length, self.args.truncation_mode)

@@ -80,6 +80,22 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
     def _pair_reader(self):
         raise NotImplementedError
 
+    def _dropped_by(self) -> str:
+        """Which pairs TRL's preparation drops, and by which setting (for an emptied train dataset)."""
+        raise NotImplementedError
+
+    def _count_prepared(self, dataset_name: str, raw, prepared):
+        """`prepared`, after noting how many of `raw`'s pairs TRL's preparation kept (`_empty_dataset_cause`)."""
+        with contextlib.suppress(TypeError):
+            self.__dict__.setdefault("_prepared_sizes", {})[dataset_name] = (len(raw), len(prepared))
+        return prepared
+
+    def _empty_dataset_cause(self) -> str | None:
+        raw, kept = self.__dict__.get("_prepared_sizes", {}).get("train", (0, 0))
+        if raw == 0 or kept:
+            return None
+        return f"TRL's preparation dropped all {raw} pairs: {self._dropped_by()}; raise max_length"
+
     def _pair_collator_options(self) -> dict:
         return {}
 

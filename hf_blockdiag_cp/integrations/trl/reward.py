@@ -127,7 +127,12 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
     @overrides("RewardTrainer")
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         require_pair_columns(dataset, dataset_name, ("chosen_ids", "rejected_ids"))
-        return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        prepared = super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+        return self._count_prepared(dataset_name, dataset, prepared)
+
+    def _dropped_by(self) -> str:
+        return ("it drops a pair whose chosen or rejected sequence is longer than "
+                f"RewardConfig.max_length={self.args.max_length}")
 
     def _pair_reader(self):
         return WholePairs()
