@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..compat.torch import compiled_module
+from ..kernels.embedding import fp32_embedding_grads
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,7 @@ def input_embedding_rows(model) -> int | None:
     Where an embedding is split over tensor-parallel ranks, the largest of its row count, its weight's
     (global) rows and `config.vocab_size` counts: a check may miss, never refuse a valid id."""
     inner = configured_model(model)
-    get = getattr(inner, "get_input_embeddings", None)
-    if get is None:
-        return None
-    try:
-        embeddings = get()
-    except (NotImplementedError, AttributeError):
-        return None
+    embeddings = _input_embeddings(inner)
     rows = getattr(embeddings, "num_embeddings", None)
     if isinstance(rows, bool) or not isinstance(rows, int):
         return None
@@ -85,11 +80,23 @@ def input_embedding_rows(model) -> int | None:
 
 def prepare_model(model) -> None:
     """Install the patches `model` needs (each once: the registry's call is idempotent and cheap when
-    nothing is missing); raise NotImplementedError for a model type the library refuses. A module
-    without a config (not a Transformers model) is left alone."""
+    nothing is missing); raise NotImplementedError for a model type the library refuses; sum the input
+    embedding's weight gradient in float32 (`kernels.embedding`: a shard's few indices would otherwise
+    take CUDA's half-precision accumulation). A module without a config (not a Transformers model) is
+    left alone."""
     inner = configured_model(model)
     if inner is not None:
         _support().prepare(inner)
+        fp32_embedding_grads(_input_embeddings(inner))
+
+
+def _input_embeddings(inner):
+    """`inner.get_input_embeddings()`, or None where the model has none."""
+    get = getattr(inner, "get_input_embeddings", None)
+    try:
+        return None if get is None else get()
+    except (NotImplementedError, AttributeError):
+        return None
 
 
 def check_model_support(step, module: torch.nn.Module) -> None:
