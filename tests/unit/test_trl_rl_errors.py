@@ -110,3 +110,45 @@ def test_text_only_rows(llama_path):
         with pytest.raises(ValueError, match=r"takes text-only rows; got the multimodal inputs \['pixel_values'\]"):
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3,
                                                        pixel_values=torch.zeros(1))
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_a_policy_path_loads_on_the_cp_attention(llama_path, kind):
+    """A policy given by path without an attention in `model_init_kwargs`: TRL loads it, and the reference it
+    builds from the same path, on `blockdiag_cp` (from a copy of the config: the user's is unchanged); another
+    attention there is refused by the field's name before TRL loads anything."""
+    from helpers.logs import library_logs
+
+    name = {"grpo": "GRPOConfig", "rloo": "RLOOConfig"}[kind]
+    import logging
+
+    with accelerate_env(0, 1) as out:
+        args = rl_config(kind, out, beta=0.04, model_init_kwargs={"dtype": "float32"})
+        with library_logs(logging.INFO) as messages:
+            trainer = quiet(rl_trainer(kind, llama_path, args, True))
+        assert args.model_init_kwargs == {"dtype": "float32"}
+        for model in (trainer.model, trainer.ref_model):
+            assert model.config._attn_implementation == "blockdiag_cp"
+        assert [m for m in messages if f'{name} loads {llama_path!r} with model_init_kwargs["attn_implementation"]' in m]
+        args = rl_config(kind, out, **model_kwargs("sdpa"))
+        expected = rf"{name}\.model_init_kwargs\[\"attn_implementation\"\] is 'sdpa'; expected 'blockdiag_cp' \(or unset\)"
+        with pytest.raises(ValueError, match=expected):
+            rl_trainer(kind, "/nonexistent/policy", args, True)
+
+
+def test_a_policy_built_in_memory_with_a_kl_term_names_the_path(llama_path):
+    """beta > 0 without PEFT: TRL loads the reference from the policy's path, which a policy built from a config
+    does not have (TRL's own error names an empty repo id). A policy object loaded from a path trains."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers.preference import policy_model
+
+    with accelerate_env(0, 1) as out:
+        args = rl_config("grpo", out, beta=0.04)
+        built = policy_model("llama", "blockdiag_cp")
+        with pytest.raises(ValueError, match=r"GRPOConfig\.beta=0\.04 needs a reference model, which TRL loads from the "
+                                             r"policy's path .* pass the policy by path .* or set GRPOConfig\.beta=0\.0"):
+            rl_trainer("grpo", built, args, True)
+        loaded = AutoModelForCausalLM.from_pretrained(llama_path, attn_implementation="blockdiag_cp")
+        trainer = quiet(rl_trainer("grpo", loaded, args, True))
+        assert trainer.ref_model is not None

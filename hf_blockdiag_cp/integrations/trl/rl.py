@@ -37,7 +37,7 @@ from ..trainer.setup import (
     resolve_cp_mesh,
     sum_over_world,
 )
-from .setup import pad_token_of, prepare_reference, warn_if_unverified_trl
+from .setup import check_reference_source, pad_token_of, policy_load_args, prepare_reference, warn_if_unverified_trl
 
 
 class RLCPMixin:
@@ -65,6 +65,11 @@ class RLCPMixin:
         if cp_config is not None and not isinstance(cp_config, CPConfig):
             raise TypeError(f"cp_config must be a CPConfig or None; got {type(cp_config).__name__}")
         _check_rl_config(training_args, name, cp_size, max_tokens)
+        model = kwargs.get("model", args[0] if args else None)
+        check_reference_source(model, training_args, name, kwargs.get("peft_config"))
+        loaded_with = policy_load_args(model, training_args, name)
+        if loaded_with is not training_args:
+            args, kwargs = _with_args(args, kwargs, loaded_with)
         self._cp_config, self.cp_max_tokens = cp_config, max_tokens
         self._step_scope: contextlib.ExitStack | None = None
         super().__init__(*args, **kwargs)
@@ -152,6 +157,13 @@ class RLCPMixin:
             f"(the longest: a prompt of {prompt} tokens and a completion of {r.tokens()[b] - prompt}); raise "
             f"max_tokens, or lower {name}.per_device_train_batch_size, max_completion_length or the prompts' length"
         )
+
+
+def _with_args(args: tuple, kwargs: dict, config) -> tuple[tuple, dict]:
+    """The trainer's positional and keyword arguments with `config` as its `args` (third positional)."""
+    if "args" in kwargs:
+        return args, {**kwargs, "args": config}
+    return (*args[:2], config, *args[3:]), kwargs
 
 
 def _check_rl_config(args, name: str, cp_size: int, max_tokens: int | None) -> None:

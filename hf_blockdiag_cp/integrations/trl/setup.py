@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 
 from ...comm.notice import warn_once
@@ -86,6 +87,46 @@ def prepare_reference(model, ref_model) -> None:
                   f"blockdiag_cp: the reference model was loaded with attn_implementation={impl!r}; it now runs on "
                   f"{ATTN_IMPLEMENTATION!r}, as the policy does, on the policy's CP shards", level=logging.INFO)
     apply_model_patches(ref)
+
+
+def policy_load_args(model, args, name: str):
+    """The config TRL loads a policy given by path with (`args.model_init_kwargs`, also used for the
+    reference it loads): without an attention there, a copy that asks for `blockdiag_cp` (one INFO line;
+    the user's config is unchanged); with another attention, ValueError naming the field. A model object
+    is checked where it is (`check_model_setup`)."""
+    if not isinstance(model, str):
+        return args
+    init = dict(args.model_init_kwargs or {})
+    impl = init.get("attn_implementation")
+    if impl == ATTN_IMPLEMENTATION:
+        return args
+    if impl is not None:
+        raise ValueError(
+            f'{name}.model_init_kwargs["attn_implementation"] is {impl!r}; expected {ATTN_IMPLEMENTATION!r} (or unset): '
+            f"TRL loads the policy {model!r} and its reference with it, and any other attention attends only inside "
+            "each rank's shard"
+        )
+    warn_once(logger, ("policy attention", name, model),
+              f'blockdiag_cp: {name} loads {model!r} with model_init_kwargs["attn_implementation"]='
+              f"{ATTN_IMPLEMENTATION!r} (from a copy of your {name}, which is unchanged)", level=logging.INFO)
+    args = copy.copy(args)
+    args.model_init_kwargs = {**init, "attn_implementation": ATTN_IMPLEMENTATION}
+    return args
+
+
+def check_reference_source(model, args, name: str, peft_config=None) -> None:
+    """Raise where TRL would load the reference model (`beta` > 0, no PEFT) from a policy object that has
+    no path to load it from (`config._name_or_path` empty: built in memory); TRL's own error names an
+    empty repo id."""
+    if isinstance(model, str) or not getattr(args, "beta", 0.0) or peft_config is not None or is_peft(model):
+        return
+    config = getattr(configured_model(model), "config", None)
+    if config is not None and not getattr(config, "_name_or_path", ""):
+        raise ValueError(
+            f"{name}.beta={args.beta} needs a reference model, which TRL loads from the policy's path "
+            "(config._name_or_path), and this policy was built in memory: pass the policy by path (model=\"<folder>\" "
+            f"after save_pretrained), or set {name}.beta=0.0"
+        )
 
 
 def warn_if_unverified_trl() -> None:
