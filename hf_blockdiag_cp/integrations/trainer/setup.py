@@ -291,3 +291,42 @@ def sum_over_world(values: torch.Tensor, world_size: int) -> torch.Tensor:
     values = values.to(collective_device(group))
     dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values.cpu()
+
+
+def weight_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """[2] float64: the sum and the sum of squares of `model`'s parameters held whole on this rank (a
+    DTensor's shard differs per rank by design and is left out), in chunks of 16M elements."""
+    from torch.distributed.tensor import DTensor
+
+    total = torch.zeros(2, dtype=torch.float64)
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            continue
+        for chunk in param.detach().reshape(-1).split(1 << 24):
+            chunk = chunk.double()
+            total += torch.stack([chunk.sum(), chunk.dot(chunk)]).cpu()
+    return total
+
+
+def check_same_weights(models: dict, world_size: int) -> None:
+    """Raise ValueError on every rank where one of `models` ({name: module}) differs between ranks
+    (`weight_checksum`, bit for bit against rank 0), naming the model and the ranks: one all-gather.
+    A reference model is not synchronised by DDP, so one built from each rank's own seed would train
+    each rank against a different reference, silently."""
+    group = world_group(world_size)
+    if group is None or not models:
+        return
+    mine = torch.stack([weight_checksum(m) for m in models.values()]).reshape(-1)
+    every = torch.empty(world_size * mine.numel(), dtype=torch.float64, device=collective_device(group))
+    dist.all_gather_into_tensor(every, mine.to(every.device), group=group)
+    every = every.cpu().reshape(world_size, len(models), 2)
+    for i, name in enumerate(models):
+        ranks = [r for r in range(world_size) if not torch.equal(every[r, i], every[0, i])]
+        if ranks:
+            raise ValueError(
+                f"{name} differs between ranks: ranks {ranks} hold other weights than rank 0 (sum, sum of squares: "
+                f"{every[0, i].tolist()} on rank 0, {every[ranks[0], i].tolist()} on rank {ranks[0]}); expected the same "
+                f"{name} on every rank: build or load it identically everywhere (the same path, or the same seed "
+                "before building it)"
+            )
+

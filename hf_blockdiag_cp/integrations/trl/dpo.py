@@ -29,7 +29,7 @@ from ...compat.trl import overrides, use_adapter
 from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
 from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
-from ..trainer.setup import world_group
+from ..trainer.setup import check_same_weights, world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, ratio
 from .setup import (
@@ -80,6 +80,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             pad_token_id=pad_token_of(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         if self.ref_model is not None:
             prepare_reference(self.model, self.ref_model)
+            check_same_weights({"ref_model": self.ref_model}, self.args.world_size)
         self._check_pairs()
         for name in self._pending_reference:  # TRL asked for them during its __init__, before the CP setup
             self._store_reference(name)

@@ -29,6 +29,7 @@ from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..completions import completion_log_probs, cp_group_of, gather_rows
 from ..trainer.setup import (
     check_model_setup,
+    check_same_weights,
     check_no_deepspeed,
     check_no_foreign_parallelism,
     check_sharded_model_engine,
@@ -78,6 +79,7 @@ class RLCPMixin:
         check_sharded_model_engine(self)
         if self.ref_model is not None:
             prepare_reference(self.model, self.ref_model)
+            check_same_weights({"ref_model": self.ref_model}, self.args.world_size)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
         self.cp_pad_token_id = pad_token_of(self.processing_class)
