@@ -29,9 +29,9 @@ from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..completions import completion_log_probs, cp_group_of, gather_rows
 from ..trainer.setup import (
     check_model_setup,
-    check_same_weights,
     check_no_deepspeed,
     check_no_foreign_parallelism,
+    check_same_weights,
     check_sharded_model_engine,
     check_world,
     checkpointing_kwargs,

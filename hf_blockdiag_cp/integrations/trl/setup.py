@@ -118,7 +118,8 @@ def check_reference_source(model, args, name: str, peft_config=None) -> None:
     """Raise where TRL would load the reference model (`beta` > 0, no PEFT) from a policy object that has
     no path to load it from (`config._name_or_path` empty: built in memory); TRL's own error names an
     empty repo id."""
-    if isinstance(model, str) or not getattr(args, "beta", 0.0) or peft_config is not None or is_peft(model):
+    if model is None or isinstance(model, str) or not getattr(args, "beta", 0.0) or peft_config is not None \
+            or is_peft(model):
         return
     config = getattr(configured_model(model), "config", None)
     if config is not None and not getattr(config, "_name_or_path", ""):
