@@ -10,14 +10,14 @@ multiprocess/test_trl_dpo.py. A bad argument ends the run with one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("trl")
 
-from helpers.scripts import (  # noqa: E402
-    ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, run_in_process, start,
-)
+from helpers.launch import Run  # noqa: E402
+from helpers.scripts import ROOT, assert_left_alone, load_script, run_in_process  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_dpo.py"
 STEPS = 10
@@ -30,6 +30,7 @@ METRIC_TOL = 1e-5  # absolute, relative to the value's magnitude where that is a
 EVAL_METRICS = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
                 "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen",
                 "eval_logits/rejected", "eval_entropy", "eval_mean_token_accuracy")
+CP2_RUN = Run("train_dpo", EXAMPLE, (*ARGS, "--output-dir", "out"), alone=True)  # torchrun's 2 processes, copied alone
 
 
 def stock_evaluate(model_dir, output_dir) -> dict:
@@ -51,26 +52,22 @@ def stock_evaluate(model_dir, output_dir) -> dict:
     return trainer.evaluate()
 
 
-def side_by_side(tmp_path, monkeypatch, capsys) -> tuple[dict, dict]:
-    """metrics.json of the one-process run (`python train_dpo.py`, cp = 1, in this process) and of
-    torchrun's two ranks (cp = 2), started first and running meanwhile."""
-    alone = copied_alone(EXAMPLE.name, tmp_path / "alone")
-    out = {1: tmp_path / "cp1", 2: alone.parent / "out"}
-    log = tmp_path / "torchrun.log"
-    torchrun = start([*TORCHRUN_2, alone.name, *ARGS, "--output-dir", "out"], log, cwd=alone.parent)
-    try:
-        status, stdout, stderr = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(out[1])], {},
-                                                process_group=True)
-    finally:
-        finish(torchrun, log, "torchrun --standalone --nproc-per-node 2, train_dpo.py copied alone")
+def side_by_side(launch, tmp_path, monkeypatch, capsys) -> tuple[dict, dict, Path]:
+    """metrics.json of the one-process run (`python train_dpo.py`, cp = 1, in this process, while the
+    shared launch runs) and of torchrun's two ranks (cp = 2), and the folder the latter wrote."""
+    status, stdout, stderr = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(tmp_path / "cp1")],
+                                            {}, process_group=True)
     assert status in (None, 0), (stdout + stderr)[-3000:]
-    assert_left_alone(alone)
-    single, cp2 = (json.loads((out[cp] / "metrics.json").read_text()) for cp in (1, 2))
-    return single, cp2
+    two = launch.result(CP2_RUN)
+    two.assert_ok("torchrun --standalone --nproc-per-node 2, train_dpo.py copied alone")
+    assert_left_alone(two.cwd / EXAMPLE.name)
+    single, cp2 = (json.loads((out / "metrics.json").read_text()) for out in (tmp_path / "cp1", two.cwd / "out"))
+    return single, cp2, two.cwd / "out"
 
 
-def test_cp2_dpo_run_matches_one_process_and_stock_evaluate(tmp_path, monkeypatch, capsys):
-    single, cp2 = side_by_side(tmp_path, monkeypatch, capsys)
+@pytest.mark.launched(CP2_RUN)
+def test_cp2_dpo_run_matches_one_process_and_stock_evaluate(launch, tmp_path, monkeypatch, capsys):
+    single, cp2, cp2_out = side_by_side(launch, tmp_path, monkeypatch, capsys)
     sizes = (single["cp_size"], cp2["cp_size"], cp2["dp_size"], cp2["world_size"])
     assert sizes == (1, 2, 1, 2), f"(cp of one process, cp, dp, world of torchrun's) = {sizes}: not 2 CP ranks"
     assert len(single["losses"]) == len(cp2["losses"]) == STEPS
@@ -79,7 +76,7 @@ def test_cp2_dpo_run_matches_one_process_and_stock_evaluate(tmp_path, monkeypatc
         assert abs(a - b) <= LOSS_TOL * abs(a), f"step {step}: cp=2 loss {b} vs 1 process {a}"
     assert len(cp2["trl"]["rewards/margins"]) == STEPS and cp2["trl"]["rewards/margins"][-1] > 0, cp2["trl"]
 
-    stock = stock_evaluate(tmp_path / "alone" / "out", tmp_path / "stock")
+    stock = stock_evaluate(cp2_out, tmp_path / "stock")
     for name in EVAL_METRICS:
         bound = METRIC_TOL * max(1.0, abs(stock[name]))
         assert abs(cp2[name] - stock[name]) <= bound, f"{name}: cp=2 {cp2[name]} vs stock DPOTrainer {stock[name]}"

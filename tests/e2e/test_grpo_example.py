@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from helpers.scripts import ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, start  # noqa: E402
+from helpers.launch import Run  # noqa: E402
+from helpers.scripts import ROOT, assert_left_alone, load_script  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "train_grpo.py"
 STEPS = 5
@@ -23,18 +24,20 @@ ARGS = ["--steps", str(STEPS), "--optimizer", "sgd", "--lr", "0.05", "--max-grad
         "--max-completion-length", "24", "--prompts", "32", "--completions-per-rank", "4"]
 LOSS_TOL = 1e-5  # relative, fp32
 METRIC_TOL = 1e-5  # absolute, relative to the value's magnitude where that is above 1
+# The example copied alone, run by torchrun's 2 processes with 2 data-parallel ranks and with 2 CP ranks.
+RUNS = {cp: Run(f"train_grpo-cp{cp}", EXAMPLE, (*ARGS, "--cp-size", str(cp), "--output-dir", "out"), alone=True)
+        for cp in (1, 2)}
 
 
-def test_cp2_grpo_run_matches_two_data_parallel_ranks(tmp_path):
-    runs = {}
-    for cp in (1, 2):
-        alone, log = copied_alone(EXAMPLE.name, tmp_path / f"cp{cp}"), tmp_path / f"cp{cp}.log"
-        runs[cp] = (alone.parent / "out", log, start([*TORCHRUN_2, alone.name, *ARGS, "--cp-size", str(cp),
-                                                      "--output-dir", "out"], log, cwd=alone.parent))
-    for cp, (out, log, proc) in runs.items():
-        finish(proc, log, f"torchrun --nproc-per-node 2 train_grpo.py --cp-size {cp}, copied alone")
-        assert_left_alone(out.parent / EXAMPLE.name)
-    dp2, cp2 = (json.loads((runs[cp][0] / "metrics.json").read_text()) for cp in (1, 2))
+@pytest.mark.launched(*RUNS.values())
+def test_cp2_grpo_run_matches_two_data_parallel_ranks(launch):
+    metrics = {}
+    for cp, run in RUNS.items():
+        result = launch.result(run)
+        result.assert_ok(f"torchrun --nproc-per-node 2 train_grpo.py --cp-size {cp}, copied alone")
+        assert_left_alone(result.cwd / EXAMPLE.name)
+        metrics[cp] = json.loads((result.cwd / "out" / "metrics.json").read_text())
+    dp2, cp2 = metrics[1], metrics[2]
     assert (dp2["dp_size"], cp2["cp_size"], cp2["dp_size"]) == (2, 2, 1), (dp2, cp2)
     assert len(dp2["losses"]) == len(cp2["losses"]) == STEPS
     assert any(loss != 0 for loss in cp2["losses"]), "every loss is 0: the rewards gave no advantage"

@@ -11,36 +11,30 @@ tests/gpu/test_nccl_parity.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
+from helpers.launch import Run
 from helpers.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "multigpu.py"
+# `torchrun --standalone --nproc-per-node 2 benchmarks/multigpu.py ...`: a run of the shared launch.
+RUN = Run("multigpu", SCRIPT, ("--device", "cpu", "--tiny", "--parts", "attention,overlap,e2e", "--setups", "magi",
+                               "--exchanges", "a2a", "--layouts", "balanced", "--e2e-tokens", "512", "--e2e-grad-sync",
+                               "ddp", "--e2e-overlap", "--out", "out"))
 
 
-def run_script(out: Path, nproc: int, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node nproc benchmarks/multigpu.py --device cpu --tiny ARGS --out out`, which must exit 0."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), str(SCRIPT),
-        "--device", "cpu", "--tiny", *args, "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def test_multigpu_script_cpu_smoke(tmp_path):
-    """All three parts in one torchrun: attention and overlap on the a2a exchange (the one with a plan)
-    and the balanced layout, one pack; the e2e part with `--e2e-grad-sync ddp` (the README's recipe: DDP
-    over the CP ranks) and the exchange overlapped with attention runs its steps at G = 2 and records both."""
-    out = tmp_path / "out"
-    proc = run_script(out, 2, "--parts", "attention,overlap,e2e", "--setups", "magi", "--exchanges", "a2a",
-                      "--layouts", "balanced", "--e2e-tokens", "512", "--e2e-grad-sync", "ddp", "--e2e-overlap")
+@pytest.mark.launched(RUN)
+def test_multigpu_script_cpu_smoke(launch, tmp_path):
+    """All three parts in one torchrun run: attention and overlap on the a2a exchange (the one with a
+    plan) and the balanced layout, one pack; the e2e part with `--e2e-grad-sync ddp` (the README's
+    recipe: DDP over the CP ranks) and the exchange overlapped with attention runs its steps at G = 2
+    (in processes of its own, as on GPUs) and records both."""
+    run = launch.result(RUN)
+    run.assert_ok("torchrun --nproc-per-node 2 benchmarks/multigpu.py")
+    out = run.cwd / "out"
     result = json.loads((out / "multigpu_G2.json").read_text())
     assert (out / "multigpu_G2.md").exists() and (out / "raw" / "rank0.log").exists() and (out / "raw" / "rank1.log").exists()
     assert result["env"]["G"] == 2
@@ -68,7 +62,7 @@ def test_multigpu_script_cpu_smoke(tmp_path):
     for r in overlap:
         for key in ("comm_fwd_ms", "attn_fwd_ms", "total_fwd_ms", "comm_bwd_ms", "attn_bwd_ms", "total_bwd_ms"):
             assert r[key] > 0, (key, r)
-    assert "part | ok | s | headline" in proc.stdout  # the short table is printed last
+    assert "part | ok | s | headline" in run.logs[0]  # the short table is printed last
 
     summary = tmp_path / "summary"  # `python benchmarks/multigpu.py --summarize`: no process group, so in this process
     load_script(SCRIPT, "multigpu_script").main(["--summarize", str(out), "--out", str(summary)])

@@ -1,26 +1,24 @@
 """Every complete Python example of README.md (each ```python block is one) runs as written on CPU
-under `torchrun --standalone --nproc-per-node 2` (all in one launch, one after the other), with only
-`"your/model"` replaced by a tiny local Llama saved with `save_pretrained`; the quick start also as
-`python train.py`, one process (a CP
-group of one; its `__main__` run in the test's process). Checks appended per section compare with
-an independent reference: the quick start's CP loss, averaged over the CP group, equals the stock
-eager model's token-weighted loss over each document of the pack alone; the Trainer example trains
-as one 2-process run, and its sharded `evaluate()` (on the first 64 of its documents) equals the
-stock eager model with the trained weights on each document alone (the two ranks run half the
-documents each and add their sums). A Trainer launched by torchrun on CPU without `use_cpu=True`
-stops with an error that names the fix."""
+under `torchrun --standalone --nproc-per-node 2` (the e2e tests' shared launch, `helpers.launch`),
+with only `"your/model"` replaced by a tiny local Llama saved with `save_pretrained`; the quick
+start also as `python train.py`, one process (a CP group of one; its `__main__` run in the test's
+process). Checks appended per section compare with an independent reference: the quick start's CP
+loss, averaged over the CP group, equals the stock eager model's token-weighted loss over each
+document of the pack alone; the Trainer example trains as one 2-process run, and its sharded
+`evaluate()` (on the first 64 of its documents) equals the stock eager model with the trained
+weights on each document alone (the two ranks run half the documents each and add their sums). A
+Trainer launched by torchrun on CPU without `use_cpu=True` stops with an error that names the fix."""
 
 from __future__ import annotations
 
-import os
+import functools
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.launch import Run
 from helpers.scripts import run_in_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,29 +93,18 @@ def _tiny_model(path: Path) -> str:
     # every head of every layer scores 1,024 x 2,048 pairs on each rank, most of the test's time.
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
 
 
-def _torchrun(script: Path, cwd: Path) -> tuple[int, str]:
-    """Run `script` under torchrun with 2 processes."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    run = subprocess.run(
-        [sys.executable, *launcher, str(script)],
-        cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), capture_output=True, text=True,
-        timeout=600,
-    )
-    return run.returncode, run.stdout + run.stderr
-
-
-def _example_script(tmp_path: Path, heading: str, code: str, model: str | None = None, name: str = "example.py",
-                    done: str = "done") -> Path:
-    """The example with the tiny model and its section's checks; each rank leaves a file `{done}{rank}` when
-    it finished (printed lines of two ranks can interleave)."""
-    model = model or _tiny_model(tmp_path / "tiny")
-    marker = f'open({str(tmp_path)!r} + "/{done}" + __import__("os").environ.get("RANK", "0"), "w").write("{DONE}")\n'
-    script = tmp_path / name
+def _example_script(folder: Path, heading: str, code: str) -> Path:
+    """`folder`/example.py: the example with a tiny model saved in `folder` and its section's checks; each
+    rank leaves a file `done<rank>` in `folder` when it finished (its last line)."""
+    model = _tiny_model(folder / "tiny")
+    marker = f'open({str(folder)!r} + "/done" + __import__("os").environ.get("RANK", "0"), "w").write("{DONE}")\n'
+    script = folder / "example.py"
     script.write_text(f"MODEL = {model!r}\n" + code.replace('"your/model"', "MODEL") + CHECKS.get(heading, "") + marker)
     return script
 
@@ -126,27 +113,37 @@ def test_readme_holds_the_checked_examples():
     assert set(CHECKS) <= {heading for heading, _ in python_examples()}, python_examples()
 
 
-def test_readme_examples_run_under_torchrun_on_cpu(tmp_path):
-    """All examples in one torchrun launch (each interpreter started costs seconds of imports): every
-    rank runs each example's file as `python file` runs it (`runpy`: its own namespace and
-    `sys.argv`), the quick start last, as its check ends the process group. So the quick start's
-    `init_parallel` joins the group the Trainer example's TrainingArguments started; starting one under
-    torchrun is what train_packed.py's `init_parallel` does in test_train_example.py."""
-    if torch.cuda.is_available():
-        pytest.skip("runs the CPU path: the examples pick CUDA when it is there")
-    examples = sorted(python_examples(), key=lambda example: example[0] == "Quick start")
-    model = _tiny_model(tmp_path / "tiny")
-    files = []
-    for i, (heading, code) in enumerate(examples):
+USE_CPU = "    use_cpu=not torch.cuda.is_available(),"
+
+
+def _without_use_cpu(folder: Path) -> Path:
+    """The Trainer example with the tiny model and without its `use_cpu` line."""
+    code = dict(python_examples())["Trainer"].replace(USE_CPU, "")
+    script = folder / "example.py"
+    script.write_text(f"MODEL = {_tiny_model(folder / 'tiny')!r}\n" + code.replace('"your/model"', "MODEL"))
+    return script
+
+
+# Each example a run of the shared launch: every rank runs its file as `python file` runs it (`runpy`:
+# its own namespace and `sys.argv`), each from a process with no process group, as a new one.
+README_RUNS = tuple(Run(f"readme-{i}", functools.partial(_example_script, heading=heading, code=code))
+                    for i, (heading, code) in enumerate(python_examples()))
+NO_USE_CPU_RUN = Run("readme-trainer-without-use_cpu", _without_use_cpu, raises=True)
+ON_CUDA = "runs the CPU path: the examples pick CUDA when it is there"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=ON_CUDA)
+@pytest.mark.launched(*README_RUNS)
+def test_readme_examples_run_under_torchrun_on_cpu(launch):
+    """Every example ends on both ranks of the launch, its checks passed (starting a process group
+    under torchrun from the quick start's `init_parallel` is also what train_packed.py does in
+    test_train_example.py)."""
+    for run, (heading, code) in zip(README_RUNS, python_examples()):
         assert '"your/model"' in code, f"the {heading} example loads no model to replace"
-        files.append(str(_example_script(tmp_path, heading, code, model, f"example{i}.py", f"done{i}-")))
-    driver = tmp_path / "run_examples.py"
-    driver.write_text(f"import runpy, sys\n\nfor path in {files!r}:\n    sys.argv = [path]\n"
-                      "    runpy.run_path(path, run_name='__main__')\n")
-    rc, out = _torchrun(driver, tmp_path)
-    assert rc == 0, out[-3000:]
-    finished = sorted(p.name for p in tmp_path.glob("done*"))
-    assert finished == [f"done{i}-{rank}" for i in range(len(files)) for rank in (0, 1)], (finished, out[-3000:])
+        result = launch.result(run)
+        result.assert_ok(f"the README's {heading} example")
+        finished = sorted(p.name for p in result.folder.glob("done*"))
+        assert finished == ["done0", "done1"], (heading, finished, result.text[-3000:])
 
 
 def test_quick_start_runs_as_one_process(monkeypatch, capsys, tmp_path):
@@ -161,18 +158,16 @@ def test_quick_start_runs_as_one_process(monkeypatch, capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.glob("done*")) == ["done0"], (out + err)[-3000:]
 
 
-def test_trainer_without_use_cpu_on_cpu_names_the_fix(tmp_path):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+@pytest.mark.launched(NO_USE_CPU_RUN)
+def test_trainer_without_use_cpu_on_cpu_names_the_fix(launch):
     """torchrun's 2 processes on a host without CUDA: without use_cpu=True transformers would run
-    each process alone; the Trainer must stop on every rank and say to pass use_cpu=True."""
-    if torch.cuda.is_available():
-        pytest.skip("needs a host without CUDA")
-    code = dict(python_examples())["Trainer"]
-    assert code.count("    use_cpu=not torch.cuda.is_available(),") == 1
-    script = tmp_path / "example.py"
-    script.write_text(f"MODEL = {_tiny_model(tmp_path / 'tiny')!r}\n"
-                      + code.replace('"your/model"', "MODEL").replace("    use_cpu=not torch.cuda.is_available(),", ""))
-    rc, out = _torchrun(script, tmp_path)
-    assert rc != 0
+    each process alone; the Trainer must stop on every rank and say to pass use_cpu=True (each rank's
+    error is caught by the launch, which goes on)."""
+    assert dict(python_examples())["Trainer"].count(USE_CPU) == 1
+    result = launch.result(NO_USE_CPU_RUN)
     expected = ("ValueError: the launcher started 2 processes (WORLD_SIZE=2), but TrainingArguments sees world size 1: "
                 "each process would train alone. This host has no CUDA")
-    assert sum(expected in line and "use_cpu=True" in line for line in out.splitlines()) == 2, out[-3000:]
+    for rank, status in enumerate(result.statuses):
+        assert status["status"] == "raised", (rank, status, result.logs[rank][-3000:])
+        assert status["error"].startswith(expected) and "use_cpu=True" in status["error"], (rank, status)

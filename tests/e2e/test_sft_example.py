@@ -16,8 +16,9 @@ import pytest
 
 pytest.importorskip("trl")
 
+from helpers.launch import Run  # noqa: E402
 from helpers.scripts import (  # noqa: E402
-    ROOT, TORCHRUN_2, assert_left_alone, copied_alone, finish, load_script, run_in_process, script_env, start, torchrun_env,
+    ROOT, assert_left_alone, load_script, run_in_process, script_env, torchrun_env,
 )
 
 EXAMPLE = ROOT / "examples" / "sft_trl.py"
@@ -27,19 +28,21 @@ ARGS = [
     "--eval-examples", "60", "--optimizer", "sgd", "--lr", "0.3", "--max-grad-norm", "0", "--seed", "0",
 ]
 TOL = 1e-4
+CP2_RUN = Run("sft_trl", EXAMPLE, (*ARGS, "--output-dir", "out"), alone=True)  # torchrun's 2 processes, copied alone
 
 
-def test_cp2_sft_run_matches_one_process(tmp_path, monkeypatch, capsys):
-    one_dir, alone = tmp_path / "one", copied_alone(EXAMPLE.name, tmp_path / "alone")
-    two_dir = alone.parent / "out"
-    two = start([*TORCHRUN_2, alone.name, *ARGS, "--output-dir", "out"], tmp_path / "two.log", cwd=alone.parent)
-    try:  # the one-process run (`python sft_trl.py`) in this process while torchrun's ranks run
-        status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(one_dir)], {},
-                                          process_group=True)
-        assert status in (None, 0), (out + err)[-3000:]
-    finally:
-        finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2, sft_trl.py copied alone")
-    assert_left_alone(alone)
+@pytest.mark.launched(CP2_RUN)
+def test_cp2_sft_run_matches_one_process(launch, tmp_path, monkeypatch, capsys):
+    """The cp = 2 run is the shared launch's (`helpers.launch`); the one-process run (`python
+    sft_trl.py`) runs in this process meanwhile."""
+    one_dir = tmp_path / "one"
+    status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*ARGS, "--output-dir", str(one_dir)], {},
+                                      process_group=True)
+    assert status in (None, 0), (out + err)[-3000:]
+    two = launch.result(CP2_RUN)
+    two.assert_ok("torchrun --standalone --nproc-per-node 2, sft_trl.py copied alone")
+    assert_left_alone(two.cwd / EXAMPLE.name)
+    two_dir = two.cwd / "out"
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], cp2["cp_size"], cp2["world_size"]) == (1, 2, 2), "torchrun did not start 2 CP ranks"

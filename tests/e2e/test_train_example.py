@@ -1,16 +1,17 @@
-"""The main job end to end: `torchrun --standalone --nproc-per-node 2 train_packed.py` (cp=2), the
-example copied alone into an empty folder and run from there, logs the same per-step losses as one
-process, and both equal an independent reference: the stock eager model run on every document of
-the step's packs separately, updated by plain SGD (Adam and clipping would hide a wrong gradient
-scale; SGD does not). Both example scripts reject a bad argument (sizes, kernel, exchange and
-layout names), or a one-process `accelerate launch` of a multi-process CPU run, with one line in
-every worker before any collective, and end every worker with one line when the kernel asked for
-cannot run. A failure under each real launcher runs once (torchrun: the kernel that cannot run,
-after the process group is up; accelerate launch: the one-process launch; a lone `python` rank:
-test_sft_example.py); the other cases run the script's `__main__` in the test's process under the
-launcher's environment (`run_in_process`: no interpreter to start per case), each rank of a
-2-process world alone. The main job's log names the kernel, exchange and layout it ran. The pure
-parts (the launch environment and the embedded corpus) are in unit/test_launcher_and_corpus.py."""
+"""The main job end to end: `torchrun --standalone --nproc-per-node 2 train_packed.py` (cp=2; a run of
+the e2e tests' shared launch, `helpers.launch`), the example copied alone into an empty folder and
+run from there, logs the same per-step losses as one process, and both equal an independent
+reference: the stock eager model run on every document of the step's packs separately, updated by
+plain SGD (Adam and clipping would hide a wrong gradient scale; SGD does not). Both example scripts
+reject a bad argument (sizes, kernel, exchange and layout names), or a one-process `accelerate
+launch` of a multi-process CPU run, with one line in every worker before any collective, and end
+every worker with one line when the kernel asked for cannot run. A failure under each real launcher
+runs once (torchrun: the kernel that cannot run, after the process group is up, the shared launch's
+last run; accelerate launch: the one-process launch; a lone `python` rank: test_sft_example.py); the
+other cases run the script's `__main__` in the test's process under the launcher's environment
+(`run_in_process`: no interpreter to start per case), each rank of a 2-process world alone. The main
+job's log names the kernel, exchange and layout it ran. The pure parts (the launch environment and
+the embedded corpus) are in unit/test_launcher_and_corpus.py."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 
 from hf_blockdiag_cp.data.corpus import decode_bytes
 from hf_blockdiag_cp.kernels import kernel_names
+from hf_blockdiag_cp.kernels.attention.fa4 import available as fa4_available
 from hf_blockdiag_cp.step.state import log_choices
-from helpers.scripts import TORCHRUN_2, assert_left_alone, copied_alone, load_script, run_in_process, torchrun_env
-from helpers.scripts import finish as _finish
-from helpers.scripts import start as _start
+from helpers.launch import Run
+from helpers.scripts import assert_left_alone, load_script, run_in_process, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_packed.py"
@@ -40,6 +41,16 @@ ARGS = [
 ]
 TOL = 1e-4
 RUN_TIMEOUT = 300
+CASES = {"llama": ("llama", False), "qwen3_5-overlap-keys": ("qwen3_5", "keys")}  # id: (--tiny-arch, --overlap)
+
+
+def _args(arch: str, overlap) -> list[str]:
+    return [*ARGS, "--tiny-arch", arch, *(["--overlap", overlap] if overlap else [])]
+
+
+# `torchrun --standalone --nproc-per-node 2 train_packed.py` (cp = 2), the example copied alone.
+CP2_RUNS = {case: Run(f"train_packed-{case}", EXAMPLE, (*_args(*CASES[case]), "--output-dir", "out"), alone=True)
+            for case in CASES}
 
 
 def _example_module():
@@ -77,29 +88,29 @@ def reference_losses(steps: int, args: list[str] = ARGS) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("arch,overlap", [("llama", False), ("qwen3_5", "keys")], ids=["llama", "qwen3_5-overlap-keys"])
-def test_cp2_run_matches_one_process_and_reference(tmp_path, monkeypatch, capsys, caplog, arch, overlap):
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.launched(run)) for case, run in CP2_RUNS.items()])
+def test_cp2_run_matches_one_process_and_reference(launch, tmp_path, monkeypatch, capsys, caplog, case):
     """Also for the tiny Qwen3.5 hybrid (`--tiny-arch qwen3_5`): its gated delta-rule layers under CP,
     with `--overlap keys` on its full-attention layers' all-gather (overlapped with attention split by
     keys; the hybrid without overlap is tests/multiprocess/test_hybrid_parity.py's). The other tiny
     hybrids, Nemotron-H's Mamba2 layers by state passing and LFM2's short convolutions with their halo
     passed between ranks, are exact against the stock model per document at G = 1-4 in
-    tests/multiprocess/test_state_passing_parity.py::test_matches_per_document_reference."""
-    args = [*ARGS, "--tiny-arch", arch, *(["--overlap", overlap] if overlap else [])]
-    one_dir, alone = tmp_path / "one", copied_alone(EXAMPLE.name, tmp_path / "alone")
-    two_dir = alone.parent / "out"
-    two = _start([*TORCHRUN_2, alone.name, *args, "--output-dir", "out"], tmp_path / "two.log", cwd=alone.parent)
-    try:  # the one-process run (`python train_packed.py`) in this process while torchrun's ranks run; its log
-        log_choices.cache_clear()  # lines reach pytest's handlers (caplog), and are said once per process
-        status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*args, "--output-dir", str(one_dir)], {},
-                                          process_group=True)
-        assert status in (None, 0), (out + err)[-3000:]
-        (tmp_path / "one.log").write_text(out + err + caplog.text)
-        reference = reference_losses(STEPS, args)
-    finally:
-        _finish(two, tmp_path / "two.log", "torchrun --standalone --nproc-per-node 2, train_packed.py copied alone")
+    tests/multiprocess/test_state_passing_parity.py::test_matches_per_document_reference. The cp = 2
+    run is the shared launch's (`helpers.launch`); the one-process run (`python train_packed.py`)
+    runs in this process meanwhile."""
+    arch, overlap = CASES[case]
+    args, one_dir = _args(arch, overlap), tmp_path / "one"
+    log_choices.cache_clear()  # its log lines reach pytest's handlers (caplog), and are said once per process
+    status, out, err = run_in_process(monkeypatch, capsys, EXAMPLE, [*args, "--output-dir", str(one_dir)], {},
+                                      process_group=True)
+    assert status in (None, 0), (out + err)[-3000:]
+    one_log = out + err + caplog.text
+    reference = reference_losses(STEPS, args)
+    two = launch.result(CP2_RUNS[case])
+    two.assert_ok("torchrun --standalone --nproc-per-node 2, train_packed.py copied alone")
 
-    assert_left_alone(alone)
+    assert_left_alone(two.cwd / EXAMPLE.name)
+    two_dir = two.cwd / "out"
     single = json.loads((one_dir / "metrics.json").read_text())
     cp2 = json.loads((two_dir / "metrics.json").read_text())
     assert (single["cp_size"], single["dp_size"]) == (1, 1)
@@ -109,9 +120,9 @@ def test_cp2_run_matches_one_process_and_reference(tmp_path, monkeypatch, capsys
     assert (two_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     said = "blockdiag_cp runs kernel dense (attn_backend='auto'), K/V exchange allgather{} (kv_exchange='allgather'), " \
            "layout contiguous"  # on CPU `auto` runs dense; said once, by the main rank
-    for log, overlapped in (("one.log", False), ("two.log", overlap)):  # one process has no exchange to overlap
-        text = (tmp_path / log).read_text()
-        assert text.count(said.format(f" overlapped with attention (split by {overlap})" if overlapped else "")) == 1, log
+    for what, text, overlapped in (("one process", one_log, False), ("cp = 2", two.text, overlap)):  # one process:
+        overlapped = f" overlapped with attention (split by {overlap})" if overlapped else ""  # no exchange to overlap
+        assert text.count(said.format(overlapped)) == 1, what
     for step, (ref, a, b) in enumerate(zip(reference, single["losses"], cp2["losses"]), start=1):
         assert abs(a - ref) <= TOL * abs(ref), f"step {step}: 1-process loss {a} vs reference {ref}"
         assert abs(b - ref) <= TOL * abs(ref), f"step {step}: cp=2 loss {b} vs reference {ref}"
@@ -219,37 +230,44 @@ def test_one_process_accelerate_cpu_launch_names_torchrun(monkeypatch, capsys, s
     assert f"`torchrun --standalone --nproc-per-node N {path} --steps 1`" in errors[0], errors
 
 
-@pytest.mark.parametrize("script", ["train_packed.py", "trainer_packed.py", "sft_trl.py"])
-def test_unavailable_kernel_ends_the_workers_with_one_line(monkeypatch, capsys, script, tmp_path):
-    """`--attn-backend fa4` where flash-attn-4 does not import: known, so the launch check lets it
-    pass, and the first attention call finds it cannot run. Every worker that gets to print says so
-    in one `error:` line and exits 2, without a traceback (the one left is torchrun's own report).
-    trainer_packed.py under torchrun, the suite's launched torchrun failure: its workers fail after
-    the process group is up; train_packed.py and sft_trl.py as one process (`python script`), their
-    `__main__` run in this process, which must end at its `os._exit(2)`."""
-    from hf_blockdiag_cp.kernels.attention.fa4 import available
+FA4_ARGS = ("--attn-backend", "fa4", "--steps", "1")
+# trainer_packed.py under torchrun asking for fa4: the suite's launched torchrun failure, the shared launch's last run.
+FA4_RUN = Run("trainer_packed-fa4", ROOT / "examples" / "trainer_packed.py", (*FA4_ARGS, "--output-dir", "out"),
+              ends_launch=True)
 
-    if available():
+
+@pytest.mark.parametrize("script", ["train_packed.py", "sft_trl.py"])
+def test_unavailable_kernel_ends_the_process_with_one_line(monkeypatch, capsys, script, tmp_path):
+    """`--attn-backend fa4` where flash-attn-4 does not import: known, so the launch check lets it
+    pass, and the first attention call finds it cannot run. One process (`python script`) says so in
+    one `error:` line and exits 2, without a traceback: its `__main__` run in this process, which must
+    end at its `os._exit(2)`. torchrun's workers: the next test."""
+    if fa4_available():
         pytest.skip("flash-attn-4 imports here")
     if script == "sft_trl.py":
         pytest.importorskip("trl")
-    path, args = ROOT / "examples" / script, ["--attn-backend", "fa4", "--steps", "1", "--output-dir", str(tmp_path)]
-    if script != "trainer_packed.py":
-        status, out, err = run_in_process(monkeypatch, capsys, path, args, {}, process_group=True)
-        lines = (out + err).strip().splitlines()  # (here the progress bar's finaliser may still print after it)
-        assert status == 2 and [line for line in lines if line.startswith("error:")] == [f"error: {FA4_UNAVAILABLE}"], \
-            (status, lines[-20:])
-        assert "Traceback" not in err and "raise ValueError" not in err, lines
-        return
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    run = subprocess.run([*TORCHRUN_2, str(path), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=RUN_TIMEOUT)
-    lines = _output_lines(run)
+    args = [*FA4_ARGS, "--output-dir", str(tmp_path)]
+    status, out, err = run_in_process(monkeypatch, capsys, ROOT / "examples" / script, args, {}, process_group=True)
+    lines = (out + err).strip().splitlines()  # (here the progress bar's finaliser may still print after it)
+    assert status == 2 and [line for line in lines if line.startswith("error:")] == [f"error: {FA4_UNAVAILABLE}"], \
+        (status, lines[-20:])
+    assert "Traceback" not in err and "raise ValueError" not in err, lines
+
+
+@pytest.mark.skipif(fa4_available(), reason="flash-attn-4 imports here")
+@pytest.mark.launched(FA4_RUN)
+def test_unavailable_kernel_ends_the_torchrun_workers_with_one_line(launch):
+    """trainer_packed.py under torchrun with `--attn-backend fa4`: its workers fail after the process
+    group is up. Every worker that gets to print says so in one `error:` line and exits 2 (torchrun
+    reports the first), without a traceback; the one left is torchrun's own report."""
+    returncode, torchrun, run = launch.ending(FA4_RUN)
+    lines = [line for log in run.logs for line in log.strip().splitlines()]
     errors = [line for line in lines if line.startswith("error:")]
-    assert run.returncode != 0 and errors, lines[-20:]
+    assert returncode != 0 and errors, (returncode, lines[-20:], torchrun[-3000:])
     assert set(errors) == {f"error: {FA4_UNAVAILABLE}"}, lines[-20:]
-    assert "exitcode  : 2" in run.stderr, lines[-20:]
-    assert run.stderr.count("Traceback (most recent call last)") <= 1 and "raise ValueError" not in run.stderr, lines
+    assert "exitcode  : 2" in torchrun, torchrun[-3000:]
+    assert torchrun.count("Traceback (most recent call last)") <= 1 and "raise ValueError" not in torchrun, torchrun
+    assert not any("Traceback" in log or "raise ValueError" in log for log in run.logs), run.logs
 
 
 def test_local_data_files_load_by_their_suffix(tmp_path):

@@ -1,8 +1,8 @@
-"""Running the example scripts from the e2e tests: start one in the background with a log, wait
-for it (failing the test with the log's tail), an example copied alone into an empty folder (to run
-it from there), a free port and torchrun's variables for a lone rank, a script loaded as a module
-(for its pure functions), and a script's `__main__` run inside the test's process under a
-launcher's environment (for its error paths: no interpreter to start)."""
+"""Running the example scripts from the e2e tests: the environment of a launched script, an example
+copied alone into an empty folder (to run it from there), a free port and torchrun's variables for a
+lone rank, a script loaded as a module (for its pure functions), and a script's `__main__` run inside
+the test's process under a launcher's environment (for its error paths: no interpreter to start).
+The torchrun launch that runs them: `helpers.launch`."""
 
 from __future__ import annotations
 
@@ -12,11 +12,9 @@ import os
 import runpy
 import shutil
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 # Imported at collection, so that their log handlers (transformers', datasets') write to the session's
@@ -30,10 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def script_env(**extra: str) -> dict:
     """One thread per process: CI shares 2 cores, and oversubscribed OpenMP threads spin (10x slower here)."""
     return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **extra)
-
-
-def start(cmd: list[str], log: Path, cwd: Path = ROOT) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=cwd, env=script_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 TORCHRUN_2 = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -51,16 +45,6 @@ def assert_left_alone(script: Path, outputs: str = "out") -> None:
     """After a run of a `copied_alone` script: its folder holds the script and its `outputs` folder only."""
     held = sorted(p.name for p in script.parent.iterdir())
     assert held == sorted([script.name, outputs]), f"{script.parent} holds {held}"
-
-
-def finish(proc: subprocess.Popen, log: Path, what: str, timeout: float = 300) -> None:
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        pytest.fail(f"{what} did not finish in {timeout}s; log tail:\n{log.read_text()[-3000:]}")
-    assert rc == 0, f"{what} exited with {rc}; log tail:\n{log.read_text()[-3000:]}"
 
 
 def free_port() -> int:
