@@ -1,14 +1,16 @@
 """`torch.compile` through `blockdiag_cp` (docs/performance.md, "torch.compile"), on real gloo groups.
 
-A compiled copy of the tiny Llama (the whole model or each decoder layer, with and without
-activation checkpointing) and of the Qwen3.5-style hybrid trains on four packs of one length
-whose documents, padding and rank assignment differ. Each step's loss and every gradient equal
-the eager model's on the same pack (Llama: ≤ 1e-5 relative, fp32, dense kernel) and the
-independent reference (the stock model on every document alone, I1, I2); the compiled graphs
-hold the decoder layers' dense math (RMSNorm, MLP), not the attention call; and no pack after
-the first compiles anything (frames and graphs counted by dynamo; one compiled model switched from
-overlapping by queries to by keys compiles once more at the switch, then nothing). FSDP2 around a compiled model
-(per layer and whole) stays exact. The Trainer's `torch_compile=True` is tested in test_trainer.py.
+A compiled copy of the tiny Llama (the whole model, each decoder layer, each checkpointed layer's
+body with the exchange plain and overlapped) and of the Qwen3.5-style hybrid trains on four packs
+of 14 tokens a rank whose documents, padding and rank assignment differ, at one CP size or several
+in turn on the same compiled model (Llama cp = 2 then 1, the hybrid G = 3 then 2). Each step's loss
+and every gradient equal the eager model's on the same pack (Llama: ≤ 1e-5 relative, fp32, dense
+kernel) and the independent reference (the stock model on every document alone, I1, I2); the
+compiled graphs hold the decoder layers' dense math (RMSNorm, MLP), not the attention call; and no
+pack after the first compiles anything, a change of CP size or mixer transport included (frames and graphs
+counted by dynamo; one compiled model switched from overlapping by queries to by keys may compile
+once more at the switch, then nothing). FSDP2 around a compiled model (per layer and whole, both
+with checkpointing) stays exact. The Trainer's `torch_compile=True` is tested in test_trainer.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._dynamo.backends.registry import lookup_backend
 
 import hf_blockdiag_cp as bdcp
@@ -29,8 +32,14 @@ from helpers.reference import build_models, compare_with_reference, make_docs, r
 
 EAGER_TOL = 1e-5
 REFERENCE_TOL = 1e-4
-# (document lengths, padding tokens): 28 tokens each, so one compiled shape serves every pack.
-PACKS = (([5, 7, 3, 9, 4], 0), ([2, 17, 9], 0), ([11, 9], 8), ([28], 0))
+# (document lengths, padding tokens) by CP size: 14 tokens a rank at every size, so one compiled shape
+# serves every pack at every size. Each size has several documents, a document over every rank,
+# padding, and one document alone.
+PACKS = {
+    1: (([5, 3, 6], 0), ([2, 12], 0), ([6, 3], 5), ([14], 0)),
+    2: (([5, 7, 3, 9, 4], 0), ([2, 17, 9], 0), ([11, 9], 8), ([28], 0)),
+    3: (([5, 7, 3, 9, 4, 14], 0), ([2, 31, 9], 0), ([11, 9, 14], 8), ([42], 0)),
+}
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather")
 
 GRAPH_OPS: list[set[str]] = []  # the call targets of every graph the recording backend compiled
@@ -70,79 +79,108 @@ def train_step(model, batch, group, config=CONFIG):
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=PACKS, family="llama",
-                 overlaps=(False,), transports=("auto",)):
+def cp_groups(group, world_size, sizes):
+    """The process group of each CP size in `sizes` on the pool's `world_size` ranks: the pool's own
+    group, None (cp = 1: no CP) or a new group of ranks 0..cp-1 (made by every rank; the caller
+    destroys it)."""
+    return {cp: group if cp == world_size else None if cp == 1 else dist.new_group(list(range(cp)))
+            for cp in dict.fromkeys(sizes)}
+
+
+def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=4, family="llama",
+                 modes=None):
     """Per pack: the worst relative error against the eager model (this rank's loss and gradients)
-    and against the reference (means over the group), and dynamo's running totals after the step.
-    One compiled model takes the packs under each overlap mode and each mixer transport in turn."""
+    and against the reference (means over the CP group), and dynamo's running totals after the step.
+    One compiled model takes `packs` packs in each mode `(cp, overlap, mixer transport)` in turn
+    (default: one mode, CP over the pool's ranks); a rank outside a mode's CP group sits it out."""
     torch.compiler.reset()
     GRAPH_OPS.clear()
+    start = compile_counters()  # running totals of this process: count this case's compiling only
+    modes = modes or ((world_size, False, "auto"),)
     ref, eager = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
     if checkpointing:
         enable_activation_checkpointing(eager, use_reentrant=False)
     compiled = compile_model(copy.deepcopy(eager), regions, backend=recording_backend(backend))
+    groups = cp_groups(group, world_size, [cp for cp, _, _ in modes])
     steps = []
-    packs = PACKS[:packs] if isinstance(packs, int) else packs
-    runs = [(overlap, transport, seed, *p) for overlap in overlaps for transport in transports
-            for seed, p in enumerate(packs)]
-    for overlap, transport, seed, lengths, n_pad in runs:
-        docs, batch = pack(lengths, n_pad, seed)
-        ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
-        want_loss, want_grads = train_step(eager, batch, group, CONFIG.replace(mixer_transport=transport))
-        loss, grads = train_step(compiled, batch, group, CONFIG.replace(overlap=overlap, mixer_transport=transport))
-        counted = compile_counters()
-        totals = (counted["frames_compiled"], counted["graphs_compiled"])
-        vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
-        vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, group, world_size)
-        worst = max(vs_ref, key=vs_ref.get)
-        steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "compiled": totals,
-                      "worst": (worst, vs_ref[worst]), "mode": (overlap, transport)})
+    try:
+        for cp, overlap, transport in modes:
+            for seed, (lengths, n_pad) in enumerate(PACKS[cp][:packs] if rank < cp else ()):
+                docs, batch = pack(lengths, n_pad, seed)
+                ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=groups[cp])
+                config = CONFIG.replace(mixer_transport=transport)
+                want_loss, want_grads = train_step(eager, batch, groups[cp], config)
+                loss, grads = train_step(compiled, batch, groups[cp], config.replace(overlap=overlap))
+                counted = compile_counters()
+                totals = tuple(counted[k] - start[k] for k in ("frames_compiled", "graphs_compiled"))
+                vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
+                vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, groups[cp], cp)
+                worst = max(vs_ref, key=vs_ref.get)
+                steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "compiled": totals,
+                              "worst": (worst, vs_ref[worst]), "mode": (cp, overlap, transport)})
+    finally:
+        for cp, g in groups.items():
+            if g is not None and cp != world_size:
+                dist.destroy_process_group(g)
     return {"steps": steps, "graph_ops": [sorted(ops) for ops in GRAPH_OPS]}
 
 
-def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL, switch_compiles=False):
-    """`switch_compiles`: a new mode (overlap, transport) may compile on its first pack, else nothing may."""
+def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL, recompiling_modes=()):
+    """Every pack within `eager_tol` of the eager model and within REFERENCE_TOL of the reference. The
+    first pack compiles, and so may the first pack of each mode whose index is in `recompiling_modes`;
+    no other pack compiles anything."""
     for rank, res in enumerate(results):
         steps = res["steps"]
         for i, s in enumerate(steps):
-            assert s["vs_eager"] <= eager_tol, f"{what} rank {rank} pack {i}: {s['vs_eager']:.2e} off the eager model"
-            assert s["vs_reference"] <= REFERENCE_TOL, f"{what} rank {rank} pack {i}: {s['worst']} off the reference"
+            where = f"{what} rank {rank} pack {i} {s['mode']}"
+            assert s["vs_eager"] <= eager_tol, f"{where}: {s['vs_eager']:.2e} off the eager model"
+            assert s["vs_reference"] <= REFERENCE_TOL, f"{where}: {s['worst']} off the reference"
         assert steps[0]["compiled"][1] > 0, f"{what} rank {rank}: nothing compiled"
-        for mode in dict.fromkeys(s["mode"] for s in steps) if switch_compiles else [None]:
-            totals = [s["compiled"] for s in steps if mode is None or s["mode"] == mode]
-            assert totals[1:] == totals[:1] * (len(totals) - 1), f"{what} {mode} rank {rank}: later packs compiled again: {totals}"
+        modes = list(dict.fromkeys(s["mode"] for s in steps))
+        for before, s in zip(steps, steps[1:]):
+            if s["mode"] != before["mode"] and modes.index(s["mode"]) in recompiling_modes:
+                continue
+            totals = [(t["mode"], t["compiled"]) for t in steps]
+            assert s["compiled"] == before["compiled"], f"{what} rank {rank}: a later pack compiled again: {totals}"
         ops = " ".join(op for graph in res["graph_ops"] for op in graph)
         # The decoder layers' dense math is in the graphs (MLP activation, RMSNorm), the attention call is not.
         assert "silu" in ops and "rsqrt" in ops, f"{what} rank {rank}: no decoder layer compiled: {res['graph_ops']}"
         assert "scaled_dot_product" not in ops and "all_gather" not in ops
 
 
+CP2_THEN_CP1 = ((2, False, "auto"), (1, False, "auto"))
+OVERLAPS = ((2, False, "auto"), (2, "queries", "auto"), (2, "keys", "auto"))
+
+
 @pytest.mark.parametrize(
-    "world_size,regions,checkpointing,overlaps",
-    [(2, "model", False, (False,)), (2, "layers", False, (False,)), (2, "layers", True, (False,)),
-     (1, "model", False, (False,)), (2, "model", True, ("queries", "keys"))],
-    ids=["cp2-model", "cp2-layers", "cp2-layers-ac", "cp1-model", "cp2-model-ac-overlap"],
+    "regions,checkpointing,modes,recompiling_modes",
+    [("model", False, CP2_THEN_CP1, ()), ("layers", False, None, ()), ("layers", True, OVERLAPS, (2,))],
+    ids=["cp2-cp1-model", "cp2-layers", "cp2-layers-ac-overlap"],
 )
-def test_compiled_steps_match_eager_and_never_recompile(gloo, world_size, regions, checkpointing, overlaps):
-    """Also compiled with the exchange overlapped, split by queries and then by keys on the same compiled
-    model (against the eager model in order): its collectives and the merge stay out of the graphs like
-    the plain exchange's; the switch may compile on its first pack, no later pack compiles."""
-    results = gloo(world_size).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing,
-                                   overlaps=overlaps)
-    _assert_compiled_steps(results, f"cp{world_size} {regions}{' +ac' if checkpointing else ''}", switch_compiles=True)
+def test_compiled_steps_match_eager_and_never_recompile(gloo, regions, checkpointing, modes, recompiling_modes):
+    """On two ranks (cp = 2 unless a mode says otherwise). The whole model compiled at cp = 2 then
+    runs at cp = 1 (each rank alone, packs of the same 14 tokens a rank) and compiles nothing at the
+    switch: the process group stays out of the graphs and their guards. The checkpointed layers'
+    compiled bodies run the plain exchange, then the overlapped one split by queries and then by keys
+    (against the eager model in order): its collectives and the merge stay out of the graphs like the
+    plain exchange's; the switch to keys may compile on its first pack, nothing else compiles. (The whole
+    model compiled with checkpointing: test_trainer.py's compiled Trainer and the FSDP2 case below.)"""
+    results = gloo(2).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing, modes=modes)
+    _assert_compiled_steps(results, f"{regions}{' +ac' if checkpointing else ''}", recompiling_modes=recompiling_modes)
 
 
-@pytest.mark.parametrize("world_size,transports", [(2, ("heads", "states")), (3, ("states",))],
-                         ids=["2-heads-states", "3-states"])
-def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo, world_size, transports):
+def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo):
     """Qwen3.5-style hybrid: its gated delta-rule token mixer (head-parallel all-to-alls, or state
-    passing's all-gathers; at G = 2 both in turn on one compiled model, the switch compiling nothing) is a
-    graph break like attention.
+    passing's all-gathers) is a graph break like attention. One compiled model per rank trains at
+    G = 3 by state passing, then ranks 0 and 1 at G = 2 by the head-parallel transport and by state
+    passing (packs of 14 tokens a rank throughout): neither switch compiles anything.
     Against the eager model the I1 bound: its gate gradients (A_log, dt_bias) are small, so the compiled
     projections' rounding shows at about 1e-5."""
-    results = gloo(world_size).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5",
-                                   transports=transports)
-    _assert_compiled_steps(results, f"qwen3_5 cp{world_size} layers {'+'.join(transports)}", eager_tol=REFERENCE_TOL)
+    modes = ((3, False, "states"), (2, False, "heads"), (2, False, "states"))
+    results = gloo(3).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5",
+                          modes=modes)
+    assert [len(r["steps"]) for r in results] == [12, 12, 4], [[s["mode"] for s in r["steps"]] for r in results]
+    _assert_compiled_steps(results, "qwen3_5 layers G=3 states, G=2 heads, states", eager_tol=REFERENCE_TOL)
 
 
 def test_inductor_compiled_layers_match_eager(gloo):
@@ -160,7 +198,7 @@ def fsdp_compile_case(rank, world_size, group, regions):
 
     ref, model = build_models("llama")
     enable_activation_checkpointing(model, use_reentrant=False)
-    docs, batch = pack(*PACKS[0], seed=0)
+    docs, batch = pack(*PACKS[2][0], seed=0)
     ref_loss, ref_grads = reference_loss_and_grads(ref, docs)
     mesh = build_dp_cp_mesh(DPCPCoordinates(world_size, rank, world_size), "cpu")
     model = wrap_model(compile_model(model, regions, backend="aot_eager"), mesh, fsdp=True)
