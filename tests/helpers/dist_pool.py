@@ -68,8 +68,10 @@ class CaseFailed(AssertionError):
     pass
 
 
-# What every worker imports before its first case: loaded once by the fork server (see `_context`).
-PRELOAD = ("torch", "torch.distributed", "transformers", "hf_blockdiag_cp", "helpers.reference", "helpers.model_zoo", "accelerate", "trl", "peft", "datasets")
+# What every worker imports before its first case: loaded once by the fork server (see `_context`);
+# `helpers.dynamo_warmup` does dynamo's one-time set-up there, which each worker's first compile would pay.
+PRELOAD = ("torch", "torch.distributed", "transformers", "hf_blockdiag_cp", "helpers.reference", "helpers.model_zoo", "accelerate", "trl", "peft", "datasets",
+           "helpers.dynamo_warmup")
 
 
 def _context(backend: str):
