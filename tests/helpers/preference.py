@@ -10,6 +10,7 @@ initial weights, and one optimizer step of plain SGD: their loss, every paramete
 from __future__ import annotations
 
 import copy
+import functools
 import random
 
 import torch
@@ -171,6 +172,32 @@ def compare_runs(got: dict, want: dict, what: str, metrics: tuple[str, ...]) -> 
     for name, ref in want["grads"].items():
         err = float((got["grads"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
         assert err <= LOSS_TOL or float(ref.norm()) < 1e-9, f"{what}: gradient of {name} off by {err:.2e} (relative)"
+
+
+def stock_dpo(family: str, loss_type: tuple = ("sigmoid",)) -> dict:
+    """TRL's DPOTrainer, stock: the eager model, every pair of ROWS in one padded batch, one process, one step
+    (`{"logs", "grads"}`; cached: the DPO and the FSDP2 tests compare against the same runs)."""
+    return _stock_dpo(family, tuple(loss_type))
+
+
+@functools.cache
+def _stock_dpo(family: str, loss_type: tuple) -> dict:
+    import tempfile
+
+    from trl import DPOTrainer
+
+    from helpers.trainer import quiet
+
+    rows = preference_rows(**ROWS)
+    with tempfile.TemporaryDirectory() as out:
+        policy = policy_model(family, "eager")
+        args = dpo_config(out, len(rows), loss_type=list(loss_type), per_device_train_batch_size=len(rows))
+        capture = GradCapture()
+        trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy), args=args,
+                                   train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
+                                   callbacks=[capture]))
+        trainer.train()
+        return {"logs": training_logs(trainer), "grads": capture.grads}
 
 
 def reward_classifier(family: str, attn: str, seed: int = 0):

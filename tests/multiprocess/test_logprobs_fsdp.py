@@ -33,7 +33,7 @@ from hf_blockdiag_cp.planning import PAIR_COUNT
 from helpers import preference, rl
 from helpers.fsdp import LAYOUTS, FullGradsBeforeStep, fsdp_on_cpu, full_grads, shard
 from helpers.reference import build_models, make_pack, rel_err
-from helpers.trainer import accelerate_env, checkpointing_settings, quiet
+from helpers.trainer import accelerate_env, checkpointing_settings, quiet, run_beside
 
 TOL = 1e-4
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather", kernel_cost=PAIR_COUNT)
@@ -84,8 +84,8 @@ def log_probs_case(rank, world_size, group, layouts):
 
 
 def test_document_log_probs_under_fsdp2(gloo):
-    sums, grads = _log_prob_reference()
-    results = gloo(DP_SHARD * CP).run(log_probs_case, timeout=300, layouts=LAYOUTS)
+    results, (sums, grads) = run_beside(gloo(DP_SHARD * CP), log_probs_case, _log_prob_reference, timeout=300,
+                                        layouts=LAYOUTS)
     for rank, result in enumerate(results):
         for (layout, step), got in result.items():
             what = f"{layout} step {step} rank {rank}"
@@ -130,22 +130,6 @@ def _check_trainer_runs(runs: list[dict], want: dict, what: str, metrics: tuple[
             preference.compare_runs(got, want, f"{what} {layout} rank {rank}", metrics)
 
 
-@functools.cache
-def stock_dpo() -> dict:
-    """TRL's DPOTrainer, stock: eager model, every pair in one padded batch, one process."""
-    from trl import DPOTrainer
-
-    rows = preference.preference_rows(**preference.ROWS)
-    with tempfile.TemporaryDirectory() as out:
-        policy = preference.policy_model("llama", "eager")
-        capture = preference.GradCapture()
-        trainer = quiet(DPOTrainer(model=policy, ref_model=preference.reference_model(policy),
-                                   args=preference.dpo_config(out, len(rows), per_device_train_batch_size=len(rows)),
-                                   train_dataset=preference.preference_dataset(rows),
-                                   processing_class=preference.char_tokenizer(), callbacks=[capture]))
-        return _trained(trainer, capture)
-
-
 def dpo_case(rank, world_size, group, layouts):
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
 
@@ -166,9 +150,9 @@ def dpo_case(rank, world_size, group, layouts):
 
 @needs_trl
 def test_dpo_under_fsdp2_matches_trl(gloo):
-    want = stock_dpo()
-    _check_trainer_runs(gloo(DP_SHARD * CP).run(dpo_case, timeout=300, layouts=TRAINER_LAYOUTS), want, "DPO",
-                        DPO_METRICS)
+    runs, want = run_beside(gloo(DP_SHARD * CP), dpo_case, lambda: preference.stock_dpo("llama"), timeout=300,
+                            layouts=TRAINER_LAYOUTS)
+    _check_trainer_runs(runs, want, "DPO", DPO_METRICS)
 
 
 @functools.cache
@@ -206,9 +190,8 @@ def reward_case(rank, world_size, group, layouts):
 
 @needs_trl
 def test_reward_under_fsdp2_matches_trl(gloo):
-    want = stock_reward()
-    _check_trainer_runs(gloo(DP_SHARD * CP).run(reward_case, timeout=300, layouts=TRAINER_LAYOUTS), want, "reward",
-                        REWARD_METRICS)
+    runs, want = run_beside(gloo(DP_SHARD * CP), reward_case, stock_reward, timeout=300, layouts=TRAINER_LAYOUTS)
+    _check_trainer_runs(runs, want, "reward", REWARD_METRICS)
 
 
 def _grpo_run(path: str, rank: int, world_size: int, layout: str | None) -> dict:

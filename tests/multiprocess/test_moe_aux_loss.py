@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from helpers.model_zoo import MOE_FAMILIES, ROUTER_AUX_COEF, build_pair
+from helpers.trainer import run_beside
 
 TOL = 1e-4
 LENGTHS = (13, 5, 22, 1, 8)  # 49 tokens: the pack pads at every G, a document spans two shards at G >= 2
@@ -95,9 +96,9 @@ def stock_padded(family: str) -> dict:
 def test_core_step_matches_the_stock_model_padded(gloo, world_size):
     """The mean over ranks of the loss and of every gradient equals the stock padded run's (I2); the aux
     loss is the whole pack's on every rank; each shard's own aux loss differs from it."""
-    runs = gloo(world_size).run(step_case, timeout=300, families=MOE_FAMILIES)
-    for family in MOE_FAMILIES:
-        want = stock_padded(family)
+    runs, stock = run_beside(gloo(world_size), step_case, lambda: {f: stock_padded(f) for f in MOE_FAMILIES},
+                             timeout=300, families=MOE_FAMILIES)
+    for family, want in stock.items():
         got = [run[family] for run in runs]
         loss = sum(r["loss"] for r in got) / world_size
         grads = {n: sum(r["grads"][n] for r in got) / world_size for n in got[0]["grads"]}
@@ -278,9 +279,10 @@ def test_dpo_grpo_and_reward_models_match_trl(gloo):
     from helpers.preference import compare_runs
     from helpers.rl import compare_rl_runs
 
-    runs = gloo(CP).run(trl_case, timeout=600, families=MOE_FAMILIES)
-    for family in MOE_FAMILIES:
-        want = stock_dpo(family)
+    runs, references = run_beside(
+        gloo(CP), trl_case, lambda: {f: (stock_dpo(f), stock_reward(f) if f in REWARD_FAMILIES else None)
+                                     for f in MOE_FAMILIES}, timeout=600, families=MOE_FAMILIES)
+    for family, (want, want_reward) in references.items():
         assert "aux_loss" in want["logs"], f"{family}: TRL's DPO logged no aux_loss"
         for rank, run in enumerate(runs):
             compare_runs(run[family, "dpo"], want, f"{family} DPO G={CP} rank {rank}", ("aux_loss", "rewards/margins"))
@@ -288,5 +290,5 @@ def test_dpo_grpo_and_reward_models_match_trl(gloo):
             assert "aux_loss" in stock["logs"][0], f"{family}: TRL's GRPO logged no aux_loss"
             compare_rl_runs(run[family, "grpo", True], stock, f"{family} GRPO G={CP} rank {rank}")
             if family in REWARD_FAMILIES:
-                compare_runs(run[family, "reward"], stock_reward(family), f"{family} reward G={CP} rank {rank}",
+                compare_runs(run[family, "reward"], want_reward, f"{family} reward G={CP} rank {rank}",
                              REWARD_METRICS)

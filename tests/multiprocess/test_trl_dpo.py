@@ -14,7 +14,7 @@ pytest.importorskip("datasets")
 
 from helpers.preference import (  # noqa: E402
     FAMILIES, PACK, ROWS, GradCapture, char_tokenizer, compare_runs, dpo_config, first_sequence_tokens, policy_model,
-    preference_dataset, preference_rows, reference_model, training_logs,
+    preference_dataset, preference_rows, reference_model, stock_dpo, training_logs,
 )
 from helpers.trainer import accelerate_env, checkpointing_settings, quiet, run_beside  # noqa: E402
 from hf_blockdiag_cp.integrations.trl.dpo_loss import LOSS_TYPES  # noqa: E402
@@ -25,25 +25,6 @@ DPO_METRICS = ("entropy", "num_tokens", "logits/chosen", "logits/rejected", "mea
 
 def _settings(loss_type: tuple, checkpointing: bool) -> dict:
     return {"loss_type": list(loss_type), **(checkpointing_settings(False) if checkpointing else {})}
-
-
-@functools.cache
-def stock_dpo(family: str, loss_type: tuple) -> dict:
-    """TRL's DPOTrainer, stock: eager model, every pair in one padded batch, one process."""
-    import tempfile
-
-    from trl import DPOTrainer
-
-    rows = preference_rows(**ROWS)
-    with tempfile.TemporaryDirectory() as out:
-        policy = policy_model(family, "eager")
-        args = dpo_config(out, len(rows), loss_type=list(loss_type), per_device_train_batch_size=len(rows))
-        capture = GradCapture()
-        trainer = quiet(DPOTrainer(model=policy, ref_model=reference_model(policy), args=args,
-                                   train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
-                                   callbacks=[capture]))
-        trainer.train()
-        return {"logs": training_logs(trainer), "grads": capture.grads}
 
 
 def dpo_case(rank, world_size, group, families, cp_size, loss_type, checkpointing, pack=PACK, accumulation=1):
@@ -127,9 +108,9 @@ def test_dpo_over_several_packs_matches_trl(gloo, world_size, cp_size, accumulat
     and gradient are the mean over every pair of the step (TRL's, for one batch of all pairs), each pair
     weighed once; evaluate() before training equals TRL's evaluate on one batch of all pairs."""
     family = "qwen3_5"
-    want = stock_dpo(family, ("sigmoid",))
-    stock_eval = stock_dpo_evaluate(family)
-    runs = gloo(world_size).run(packs_case, timeout=300, family=family, cp_size=cp_size, accumulation=accumulation)
+    stock = lambda: (stock_dpo(family), stock_dpo_evaluate(family))  # noqa: E731
+    runs, (want, stock_eval) = run_beside(gloo(world_size), packs_case, stock, timeout=300, family=family,
+                                          cp_size=cp_size, accumulation=accumulation)
     for rank, got in enumerate(runs):
         what = f"{family} world {world_size} cp {cp_size} rank {rank}"
         assert got["packs"] * (world_size // cp_size) == 2, f"{what}: {got['packs']} packs per replica"
@@ -181,7 +162,7 @@ def stock_variant(variant: str, options: tuple = (), rows: tuple = tuple(ROWS.it
         return {"logs": training_logs(trainer), "grads": capture.grads}
 
 
-def variant_case(rank, world_size, group, variant, option_sets=((),), rows=tuple(ROWS.items())):
+def variant_case(rank, world_size, group, variant, option_sets=((),), rows=tuple(ROWS.items()), pack=PACK):
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
 
     rows = preference_rows(**dict(rows))
@@ -193,7 +174,7 @@ def variant_case(rank, world_size, group, variant, option_sets=((),), rows=tuple
             capture = GradCapture()
             trainer = quiet(BlockdiagCPDPOTrainer(
                 model=policy, args=args, train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
-                cp_size=world_size, max_tokens=PACK, callbacks=[capture], **_trainer_kwargs(variant, policy)))
+                cp_size=world_size, max_tokens=pack, callbacks=[capture], **_trainer_kwargs(variant, policy)))
             trainer.train()
             results[options] = {"logs": training_logs(trainer), "grads": capture.grads}
     return results
@@ -205,9 +186,9 @@ def test_dpo_reference_variants_match_trl(gloo, variant):
     log-probs precomputed before training (`precompute_ref_log_probs=True`, packed under CP) by a
     reference model or by the initial policy. With the initial policy as its own reference every
     reward is 0 up to rounding, so `rewards/accuracies` compares rounding noise and is left out."""
-    want = stock_variant(variant)
+    runs, want = run_beside(gloo(2), variant_case, lambda: stock_variant(variant), timeout=300, variant=variant)
     metrics = tuple(m for m in DPO_METRICS if not (variant == "precompute_policy" and m == "rewards/accuracies"))
-    for rank, got in enumerate(gloo(2).run(variant_case, timeout=300, variant=variant)):
+    for rank, got in enumerate(runs):
         compare_runs(got[()], want, f"{variant} rank {rank}", metrics)
 
 
@@ -229,13 +210,14 @@ OPTION_SETS = (
     _options(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.3),
 )
 SMALL_ROWS = tuple(dict(count=6, long_chars=0, seed=4).items())
+SMALL_PACK = 400  # SMALL_ROWS' 396 tokens in one pack (PACK would be half padding)
 
 
 def test_every_dpo_loss_matches_trl(gloo):
     """G = 1 (the same code path as any G): every loss_type of TRL 1.16, the MPO combination, WPO
     weighting, LD-DPO's ld_alpha and two f-divergences, against TRL's stock trainer."""
     runs, stock = run_beside(gloo(1), variant_case, lambda: [stock_variant("model", o, SMALL_ROWS) for o in OPTION_SETS],
-                             timeout=600, variant="model", option_sets=OPTION_SETS, rows=SMALL_ROWS)
+                             timeout=600, variant="model", option_sets=OPTION_SETS, rows=SMALL_ROWS, pack=SMALL_PACK)
     for options, want in zip(OPTION_SETS, stock):
         compare_runs(runs[0][options], want, f"DPOConfig{dict(options)}", DPO_METRICS)
 
@@ -276,8 +258,8 @@ def test_dpo_dataset_formats_match_trl_on_text(gloo, kind):
     """G = 2: conversational pairs (tokenized by TRL with the chat template) and pre-tokenized pairs
     (used as given; TRL 1.16's DPOTrainer itself does not take them) of the same tokens train like
     TRL's stock trainer on the text pairs."""
-    want = stock_dpo("llama", ("sigmoid",))
-    for rank, got in enumerate(gloo(2).run(format_case, timeout=300, kind=kind)):
+    runs, want = run_beside(gloo(2), format_case, lambda: stock_dpo("llama"), timeout=300, kind=kind)
+    for rank, got in enumerate(runs):
         compare_runs(got, want, f"{kind} rank {rank}", DPO_METRICS)
 
 
@@ -319,8 +301,8 @@ def eos_pad_case(rank, world_size, group):
 def test_eos_as_pad_token_matches_trl(gloo):
     """G = 2, a tokenizer without a pad token (TRL pads with EOS, as for Llama-3-style tokenizers; each
     completion ends in EOS): evaluate() and one training step equal TRL's stock DPOTrainer."""
-    want = stock_dpo_eos_pad()
-    for rank, got in enumerate(gloo(2).run(eos_pad_case, timeout=300)):
+    runs, want = run_beside(gloo(2), eos_pad_case, stock_dpo_eos_pad, timeout=300)
+    for rank, got in enumerate(runs):
         what = f"pad = EOS rank {rank}"
         compare_runs(got, want, what, DPO_METRICS)
         for name in EVAL_METRICS:

@@ -17,7 +17,7 @@ pytest.importorskip("datasets")
 from helpers.rl import (  # noqa: E402
     LastGrads, LengthSchedule, compare_rl_runs, model_kwargs, rl_config, rl_trainer, saved_policy,
 )
-from helpers.trainer import accelerate_env, checkpointing_settings, quiet  # noqa: E402
+from helpers.trainer import accelerate_env, checkpointing_settings, quiet, run_beside  # noqa: E402
 
 STOCK_ATTN = "sdpa"  # the stock runs' attention (module docstring)
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -44,8 +44,10 @@ def _run(kind: str, path: str, ours: bool, rank: int, world_size: int, settings:
                 "with_grad": capture.with_grad, "steps": args.max_steps}
 
 
-def rl_case(rank, world_size, group, kind, families, cp_size, variants):
-    """For each family and settings: TRL's trainer (stock) and ours, on this rank; the policy saved once."""
+def rl_case(rank, world_size, group, kind, families, cp_size, variants, ours_only=None, stock=True):
+    """For each family and settings: TRL's trainer (stock; not with `stock=False`) and ours with `ours_only`
+    added (activation checkpointing: the stock run computes the same without it), on this rank; the
+    policy saved once."""
     import tempfile
 
     import torch.distributed as dist
@@ -58,11 +60,35 @@ def rl_case(rank, world_size, group, kind, families, cp_size, variants):
             for name, settings in variants.items():
                 settings = dict(settings)
                 size = settings.pop("cp_size", cp_size)  # a variant may run its own CP size
-                stock = _run(kind, holder[0], False, rank, world_size, settings)
-                ours = _run(kind, holder[0], True, rank, world_size, settings, cp_size=size)
-                results[family, name] = (ours, stock)
+                want = _run(kind, holder[0], False, rank, world_size, settings) if stock else None
+                got = _run(kind, holder[0], True, rank, world_size, {**settings, **(ours_only or {})}, cp_size=size)
+                results[family, name] = (got, want)
             dist.barrier()
     return results
+
+
+def stock_runs(kind, families, variants) -> dict:
+    """TRL's trainer the stock way at world size 1, in the test's process, for each family and settings."""
+    import tempfile
+
+    results = {}
+    for family in families:
+        with tempfile.TemporaryDirectory() as directory:
+            path = saved_policy(family, directory)
+            for name, settings in variants.items():
+                settings = {k: v for k, v in settings.items() if k != "cp_size"}
+                results[family, name] = _run(kind, path, False, 0, 1, settings)
+    return results
+
+
+def run_rl(gloo, world_size: int, timeout: float = 900, **kwargs) -> list[dict]:
+    """`rl_case` on a pool of `world_size` ranks; at world size 1 TRL's stock runs take this process meanwhile
+    (`run_beside`: the pool's one rank would leave the second core idle)."""
+    if world_size > 1:
+        return gloo(world_size).run(rl_case, timeout=timeout, **kwargs)
+    stock = lambda: stock_runs(kwargs["kind"], kwargs["families"], kwargs["variants"])  # noqa: E731
+    runs, want = run_beside(gloo(1), rl_case, stock, timeout=timeout, stock=False, **kwargs)
+    return [{key: (got, want[key]) for key, (got, _) in runs[0].items()}]
 
 
 def _check(runs, what: str) -> None:
@@ -73,15 +99,14 @@ def _check(runs, what: str) -> None:
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 def test_grpo_matches_trl_per_family(gloo, cp_size):
-    """llama and qwen3_5 at G = 1..4: the KL term (beta > 0) at odd G, activation checkpointing at even G,
+    """llama and qwen3_5 at G = 1..4: the KL term (beta > 0) at odd G, activation checkpointing (ours) at even G,
     two iterations over the same completions (the old policy's log-probs, a clipped ratio) at G = 3;
     completions up to 1,000 tokens at G = 1 and 2, up to 500 at G = 3 and 4."""
-    settings = {"beta": 0.04 if cp_size % 2 else 0.0, **(checkpointing_settings(False) if cp_size % 2 == 0 else {}),
-                **(MEDIUM if cp_size >= 3 else LONG)}
+    settings = {"beta": 0.04 if cp_size % 2 else 0.0, **(MEDIUM if cp_size >= 3 else LONG)}
     if cp_size == 3:
         settings.update(num_iterations=2, max_steps=2)
-    runs = gloo(cp_size).run(rl_case, timeout=900, kind="grpo", families=("llama", "qwen3_5"), cp_size=cp_size,
-                             variants={"grpo": settings})
+    runs = run_rl(gloo, cp_size, kind="grpo", families=("llama", "qwen3_5"), cp_size=cp_size,
+                  variants={"grpo": settings}, ours_only=checkpointing_settings(False) if cp_size % 2 == 0 else None)
     _check(runs, f"GRPO G={cp_size}")
 
 
@@ -135,8 +160,7 @@ def test_an_empty_micro_batch_trains_on_like_trl(gloo, kind, world_size):
     variants = {f"cp{world_size}": settings}
     if world_size == 2:
         variants = {"cp2": {**settings, **checkpointing_settings(False)}, "dp2xcp1": {**settings, "cp_size": 1}}
-    runs = gloo(world_size).run(rl_case, timeout=600, kind=kind, families=("llama",), cp_size=world_size,
-                                variants=variants)
+    runs = run_rl(gloo, world_size, timeout=600, kind=kind, families=("llama",), cp_size=world_size, variants=variants)
     _check(runs, f"{kind.upper()} empty micro-batch, world {world_size}")
 
 
