@@ -1,16 +1,19 @@
 """`torch.compile` through `blockdiag_cp` (docs/performance.md, "torch.compile"), on real gloo groups.
 
-A compiled copy of the tiny Llama (the whole model, each decoder layer, each checkpointed layer's
+A compiled copy of the tiny Llama (each decoder layer, the whole model, each checkpointed layer's
 body with the exchange plain and overlapped) and of the Qwen3.5-style hybrid trains on four packs
 of 14 tokens a rank whose documents, padding and rank assignment differ, at one CP size or several
 in turn on the same compiled model (Llama cp = 2 then 1, the hybrid G = 3 then 2). Each step's loss
 and every gradient equal the eager model's on the same pack (Llama: ≤ 1e-5 relative, fp32, dense
-kernel) and the independent reference (the stock model on every document alone, I1, I2); the
-compiled graphs hold the decoder layers' dense math (RMSNorm, MLP), not the attention call; and no
-pack after the first compiles anything, a change of CP size or mixer transport included (frames and graphs
-counted by dynamo; one compiled model switched from overlapping by queries to by keys may compile
-once more at the switch, then nothing). FSDP2 around a compiled model (per layer and whole, both
-with checkpointing) stays exact. The Trainer's `torch_compile=True` is tested in test_trainer.py.
+kernel) and the independent reference (the stock model on every document alone, I1, I2); every step
+runs compiled graphs, which hold the decoder layers' dense math (RMSNorm, MLP), not the attention
+call; and no pack after a model's first compiles anything, a change of CP size or mixer transport
+included (frames and graphs counted by dynamo; one compiled model switched from overlapping by
+queries to by keys may compile once more at the switch, then nothing). The Llama variants run one
+after the other in one process, as a user's second model would: a later one runs the graphs an
+earlier one compiled where dynamo's guards allow. FSDP2 around a compiled model (per layer and
+whole, both with checkpointing) stays exact. The Trainer's `torch_compile=True` is tested in
+test_trainer.py.
 """
 
 from __future__ import annotations
@@ -20,13 +23,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch._dynamo.backends.registry import lookup_backend
 
 import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.compat.torch import compile_counters
 from hf_blockdiag_cp.integrations.compile import compile_model
 from hf_blockdiag_cp.planning import document_ids_from_lengths
+from helpers.compile_probe import RecordingBackend
 from helpers.model_zoo import build_hybrid_pair
 from helpers.reference import build_models, compare_with_reference, make_docs, reference_loss_and_grads, rel_err
 
@@ -42,18 +45,12 @@ PACKS = {
 }
 CONFIG = bdcp.CPConfig(attn_backend="dense", kv_exchange="allgather")
 
-GRAPH_OPS: list[set[str]] = []  # the call targets of every graph the recording backend compiled
-
-
-def recording_backend(backend: str):
-    """`backend` (a registered torch.compile backend), recording what each compiled graph calls."""
-    inner = lookup_backend(backend)
-
-    def compile_graph(gm, example_inputs):
-        GRAPH_OPS.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
-        return inner(gm, example_inputs)
-
-    return compile_graph
+# A mode: (CP size, overlap, mixer transport). A variant: (family, compile regions, activation
+# checkpointing, its modes, the indices of the modes whose first pack may compile).
+CP2_THEN_CP1 = ((2, False, "auto"), (1, False, "auto"))
+OVERLAPS = ((2, False, "auto"), (2, "queries", "auto"), (2, "keys", "auto"))
+LLAMA_VARIANTS = (("llama", "layers", False, ((2, False, "auto"),), ()), ("llama", "model", False, CP2_THEN_CP1, ()),
+                  ("llama", "layers", True, OVERLAPS, (2,)))
 
 
 def pack(lengths: list[int], n_pad: int, seed: int):
@@ -87,86 +84,88 @@ def cp_groups(group, world_size, sizes):
             for cp in dict.fromkeys(sizes)}
 
 
-def compile_case(rank, world_size, group, regions, checkpointing, backend="aot_eager", packs=4, family="llama",
-                 modes=None):
-    """Per pack: the worst relative error against the eager model (this rank's loss and gradients)
-    and against the reference (means over the CP group), and dynamo's running totals after the step.
-    One compiled model takes `packs` packs in each mode `(cp, overlap, mixer transport)` in turn
-    (default: one mode, CP over the pool's ranks); a rank outside a mode's CP group sits it out."""
+def compile_case(rank, world_size, group, variants, backend="aot_eager", packs=4):
+    """Each variant in turn (`LLAMA_VARIANTS`' form): its steps, as `variant_steps`. One recording backend
+    for the whole case, so a later variant runs the graphs an earlier one compiled where dynamo's guards
+    let it (as a second model in one process would); compile counts run from the case's start."""
     torch.compiler.reset()
-    GRAPH_OPS.clear()
-    start = compile_counters()  # running totals of this process: count this case's compiling only
-    modes = modes or ((world_size, False, "auto"),)
-    ref, eager = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
-    if checkpointing:
-        enable_activation_checkpointing(eager, use_reentrant=False)
-    compiled = compile_model(copy.deepcopy(eager), regions, backend=recording_backend(backend))
-    groups = cp_groups(group, world_size, [cp for cp, _, _ in modes])
-    steps = []
+    start = compile_counters()
+    recording = RecordingBackend(backend)
+    groups = cp_groups(group, world_size, [mode[0] for variant in variants for mode in variant[3]])
     try:
-        for cp, overlap, transport in modes:
-            for seed, (lengths, n_pad) in enumerate(PACKS[cp][:packs] if rank < cp else ()):
-                docs, batch = pack(lengths, n_pad, seed)
-                ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=groups[cp])
-                config = CONFIG.replace(mixer_transport=transport)
-                want_loss, want_grads = train_step(eager, batch, groups[cp], config)
-                loss, grads = train_step(compiled, batch, groups[cp], config.replace(overlap=overlap))
-                counted = compile_counters()
-                totals = tuple(counted[k] - start[k] for k in ("frames_compiled", "graphs_compiled"))
-                vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
-                vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, groups[cp], cp)
-                worst = max(vs_ref, key=vs_ref.get)
-                steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "compiled": totals,
-                              "worst": (worst, vs_ref[worst]), "mode": (cp, overlap, transport)})
+        return [variant_steps(rank, groups, recording, start, packs, *variant[:4]) for variant in variants]
     finally:
         for cp, g in groups.items():
             if g is not None and cp != world_size:
                 dist.destroy_process_group(g)
-    return {"steps": steps, "graph_ops": [sorted(ops) for ops in GRAPH_OPS]}
 
 
-def _assert_compiled_steps(results, what, eager_tol=EAGER_TOL, recompiling_modes=()):
-    """Every pack within `eager_tol` of the eager model and within REFERENCE_TOL of the reference. The
-    first pack compiles, and so may the first pack of each mode whose index is in `recompiling_modes`;
-    no other pack compiles anything."""
-    for rank, res in enumerate(results):
-        steps = res["steps"]
-        for i, s in enumerate(steps):
-            where = f"{what} rank {rank} pack {i} {s['mode']}"
-            assert s["vs_eager"] <= eager_tol, f"{where}: {s['vs_eager']:.2e} off the eager model"
-            assert s["vs_reference"] <= REFERENCE_TOL, f"{where}: {s['worst']} off the reference"
-        assert steps[0]["compiled"][1] > 0, f"{what} rank {rank}: nothing compiled"
-        modes = list(dict.fromkeys(s["mode"] for s in steps))
-        for before, s in zip(steps, steps[1:]):
-            if s["mode"] != before["mode"] and modes.index(s["mode"]) in recompiling_modes:
-                continue
-            totals = [(t["mode"], t["compiled"]) for t in steps]
-            assert s["compiled"] == before["compiled"], f"{what} rank {rank}: a later pack compiled again: {totals}"
-        ops = " ".join(op for graph in res["graph_ops"] for op in graph)
-        # The decoder layers' dense math is in the graphs (MLP activation, RMSNorm), the attention call is not.
-        assert "silu" in ops and "rsqrt" in ops, f"{what} rank {rank}: no decoder layer compiled: {res['graph_ops']}"
-        assert "scaled_dot_product" not in ops and "all_gather" not in ops
+def variant_steps(rank, groups, recording, start, packs, family, regions, checkpointing, modes):
+    """A fresh model pair; the compiled copy takes `packs` packs in each mode `(cp, overlap, mixer
+    transport)` in turn (a rank outside a mode's CP group sits it out). Per pack: the worst relative
+    error against the eager model (this rank's loss and gradients) and against the reference (means
+    over the CP group), dynamo's totals since `start`, and what the compiled graphs that ran called."""
+    ref, eager = build_hybrid_pair("qwen3_5") if family == "qwen3_5" else build_models("llama")
+    if checkpointing:
+        enable_activation_checkpointing(eager, use_reentrant=False)
+    compiled = compile_model(copy.deepcopy(eager), regions, backend=recording)
+    steps = []
+    for cp, overlap, transport in modes:
+        for seed, (lengths, n_pad) in enumerate(PACKS[cp][:packs] if rank < cp else ()):
+            docs, batch = pack(lengths, n_pad, seed)
+            ref_loss, ref_grads = reference_loss_and_grads(ref, docs, group=groups[cp])
+            config = CONFIG.replace(mixer_transport=transport)
+            want_loss, want_grads = train_step(eager, batch, groups[cp], config)
+            calls = recording.calls()
+            loss, grads = train_step(compiled, batch, groups[cp], config.replace(overlap=overlap))
+            ran = recording.ran_between(calls, recording.calls())
+            counted = compile_counters()
+            vs_eager = max([rel_err(loss, want_loss)] + [rel_err(grads[n], want_grads[n]) for n in want_grads])
+            vs_ref = compare_with_reference(compiled, ref_loss, ref_grads, loss, groups[cp], cp)
+            worst = max(vs_ref, key=vs_ref.get)
+            steps.append({"vs_eager": vs_eager, "vs_reference": max(vs_ref.values()), "worst": (worst, vs_ref[worst]),
+                          "compiled": tuple(counted[k] - start[k] for k in ("frames_compiled", "graphs_compiled")),
+                          "graphs_ran": len(ran), "ops": sorted(set().union(*(g["ops"] for g in ran))),
+                          "mode": (cp, overlap, transport)})
+    return steps
 
 
-CP2_THEN_CP1 = ((2, False, "auto"), (1, False, "auto"))
-OVERLAPS = ((2, False, "auto"), (2, "queries", "auto"), (2, "keys", "auto"))
+def _assert_compiled_steps(results, variants, what, eager_tol=EAGER_TOL):
+    """Every pack within `eager_tol` of the eager model and within REFERENCE_TOL of the reference, and
+    run through compiled graphs that hold the decoder layers' dense math (MLP activation, RMSNorm) and
+    not the attention call. The case's first pack compiles; a variant's first pack may compile, and so
+    may the first pack of each of its modes listed as recompiling; no other pack compiles anything."""
+    for rank, by_variant in enumerate(results):
+        assert by_variant[0][0]["compiled"][1] > 0, f"{what} rank {rank}: nothing compiled"
+        for steps, (family, regions, checkpointing, _, recompiling) in zip(by_variant, variants):
+            name = f"{what} {family} {regions}{' +ac' if checkpointing else ''} rank {rank}"
+            for i, s in enumerate(steps):
+                where = f"{name} pack {i} {s['mode']}"
+                assert s["vs_eager"] <= eager_tol, f"{where}: {s['vs_eager']:.2e} off the eager model"
+                assert s["vs_reference"] <= REFERENCE_TOL, f"{where}: {s['worst']} off the reference"
+                assert s["graphs_ran"] > 0, f"{where}: no compiled graph ran"
+            modes = list(dict.fromkeys(s["mode"] for s in steps))
+            for before, s in zip(steps, steps[1:]):
+                if s["mode"] != before["mode"] and modes.index(s["mode"]) in recompiling:
+                    continue
+                totals = [(t["mode"], t["compiled"]) for t in steps]
+                assert s["compiled"] == before["compiled"], f"{name}: a later pack compiled again: {totals}"
+            ops = " ".join(op for s in steps for op in s["ops"])
+            assert "silu" in ops and "rsqrt" in ops, f"{name}: no decoder layer ran compiled: {ops}"
+            assert "scaled_dot_product" not in ops and "all_gather" not in ops, f"{name}: {ops}"
 
 
-@pytest.mark.parametrize(
-    "regions,checkpointing,modes,recompiling_modes",
-    [("model", False, CP2_THEN_CP1, ()), ("layers", False, None, ()), ("layers", True, OVERLAPS, (2,))],
-    ids=["cp2-cp1-model", "cp2-layers", "cp2-layers-ac-overlap"],
-)
-def test_compiled_steps_match_eager_and_never_recompile(gloo, regions, checkpointing, modes, recompiling_modes):
-    """On two ranks (cp = 2 unless a mode says otherwise). The whole model compiled at cp = 2 then
-    runs at cp = 1 (each rank alone, packs of the same 14 tokens a rank) and compiles nothing at the
-    switch: the process group stays out of the graphs and their guards. The checkpointed layers'
-    compiled bodies run the plain exchange, then the overlapped one split by queries and then by keys
-    (against the eager model in order): its collectives and the merge stay out of the graphs like the
-    plain exchange's; the switch to keys may compile on its first pack, nothing else compiles. (The whole
-    model compiled with checkpointing: test_trainer.py's compiled Trainer and the FSDP2 case below.)"""
-    results = gloo(2).run(compile_case, timeout=300, regions=regions, checkpointing=checkpointing, modes=modes)
-    _assert_compiled_steps(results, f"{regions}{' +ac' if checkpointing else ''}", recompiling_modes=recompiling_modes)
+def test_compiled_llama_matches_eager_and_never_recompiles(gloo):
+    """On two ranks, the variants of `LLAMA_VARIANTS` in turn: each decoder layer compiled; the whole
+    model compiled, at cp = 2 then at cp = 1 (each rank alone, packs of the same 14 tokens a rank),
+    compiling nothing at the switch: the process group stays out of the graphs and their guards; the
+    checkpointed layers' compiled bodies, running the plain exchange, then the overlapped one split by
+    queries and then by keys (against the eager model in order): its collectives and the merge stay
+    out of the graphs like the plain exchange's; the switch to keys may compile on its first pack.
+    (The whole model compiled with checkpointing: test_trainer.py's compiled Trainer and the FSDP2
+    case below.)"""
+    results = gloo(2).run(compile_case, timeout=300, variants=LLAMA_VARIANTS)
+    _assert_compiled_steps(results, LLAMA_VARIANTS, "cp2")
 
 
 def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo):
@@ -176,17 +175,17 @@ def test_compiled_hybrid_matches_the_reference_and_never_recompiles(gloo):
     passing (packs of 14 tokens a rank throughout): neither switch compiles anything.
     Against the eager model the I1 bound: its gate gradients (A_log, dt_bias) are small, so the compiled
     projections' rounding shows at about 1e-5."""
-    modes = ((3, False, "states"), (2, False, "heads"), (2, False, "states"))
-    results = gloo(3).run(compile_case, timeout=300, regions="layers", checkpointing=False, family="qwen3_5",
-                          modes=modes)
-    assert [len(r["steps"]) for r in results] == [12, 12, 4], [[s["mode"] for s in r["steps"]] for r in results]
-    _assert_compiled_steps(results, "qwen3_5 layers G=3 states, G=2 heads, states", eager_tol=REFERENCE_TOL)
+    variants = (("qwen3_5", "layers", False, ((3, False, "states"), (2, False, "heads"), (2, False, "states")), ()),)
+    results = gloo(3).run(compile_case, timeout=300, variants=variants)
+    assert [len(r[0]) for r in results] == [12, 12, 4], [[s["mode"] for s in r[0]] for r in results]
+    _assert_compiled_steps(results, variants, "G=3 then 2", eager_tol=REFERENCE_TOL)
 
 
 def test_inductor_compiled_layers_match_eager(gloo):
     """The default backend once (C++ code generation on CPU: slow here, so one rank and two packs)."""
-    results = gloo(1).run(compile_case, timeout=600, regions="layers", checkpointing=False, backend="inductor", packs=2)
-    _assert_compiled_steps(results, "inductor cp1 layers")
+    variants = (("llama", "layers", False, ((1, False, "auto"),), ()),)
+    results = gloo(1).run(compile_case, timeout=600, variants=variants, backend="inductor", packs=2)
+    _assert_compiled_steps(results, variants, "inductor")
 
 
 def fsdp_compile_case(rank, world_size, group, regions):
