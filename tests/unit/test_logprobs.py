@@ -13,7 +13,8 @@
   counts, per-token log-probs and statistics, parameter gradients of a random weighting of the
   sums) for Llama, Gemma2 (final soft-capping) and Granite (logits_scaling); a model whose forward
   rescales its logits is refused; malformed local batches are refused by name; compiled models
-  (per layer, whole, with activation checkpointing) give the eager model's sums and gradients.
+  (per layer, per layer with activation checkpointing, whole) give the eager model's sums and
+  gradients.
 The same quantities under CP on real gloo groups: multiprocess/test_logprobs_parity.py.
 """
 
@@ -32,6 +33,7 @@ from hf_blockdiag_cp.compat.transformers import enable_activation_checkpointing
 from hf_blockdiag_cp.integrations.compile import compile_model
 from hf_blockdiag_cp.logprobs import STATS, LogitTransform, document_log_probs, token_log_probs
 from hf_blockdiag_cp.planning import document_ids_from_lengths
+from helpers.compile_probe import RecordingBackend
 from helpers.model_zoo import build_pair, tiny_mamba2_config
 from helpers.reference import build_models, make_docs, rel_err
 
@@ -460,37 +462,45 @@ def test_target_outside_the_vocabulary_is_refused(bad):
 
 # --------------------------------------------------------------------------- torch.compile
 
-COMPILE_VARIANTS = [("layers", False), ("model", False), ("layers", True)]
+COMPILE_VARIANTS = [("layers", False), ("layers", True), ("model", False)]
 
 
-@pytest.mark.parametrize("regions,checkpointing", COMPILE_VARIANTS, ids=["layers", "model", "layers-ac"])
-def test_compiled_model_gives_the_eager_sums_and_gradients(regions, checkpointing):
-    """`compile_model` (aot_eager, as multiprocess/test_compile.py) around the same weights: sums, counts and
-    every parameter gradient equal the eager model's, on three packs of one length; the third compiles nothing.
-    (The first call runs the output embedding on the probe's 2 rows, later ones on none: with
-    regions="model" the second call compiles that shape once more.)"""
+def test_compiled_model_gives_the_eager_sums_and_gradients():
+    """`compile_model` (aot_eager, as multiprocess/test_compile.py) per layer, per layer with activation
+    checkpointing, and whole, each around a copy of the same weights: on three packs of one length,
+    sums, counts and every parameter gradient equal the eager model's, every call runs compiled graphs
+    that hold the decoder layers' math, and the third pack compiles nothing. The variants run in turn
+    on one recording backend, as a user's second model would: a later one runs the graphs an earlier
+    one compiled where dynamo's guards allow. (The first call runs the output embedding on the probe's
+    2 rows, later ones on none: with regions="model" the second call compiles that shape once more.)"""
     torch.compiler.reset()
-    _, eager = build_models("llama")
-    compiled = copy.deepcopy(eager)
-    if checkpointing:
-        enable_activation_checkpointing(compiled, use_reentrant=False)
-    compile_model(compiled, regions, backend="aot_eager")
+    recording = RecordingBackend("aot_eager")
     before = compile_counters()
-    compiled_so_far = []
-    for seed in (1, 2, 3):
-        _, _, batch = masked_pack(seed=seed)
-        eager.zero_grad(set_to_none=True)
-        compiled.zero_grad(set_to_none=True)
-        want, _, _ = cp1_log_probs(eager, batch)
-        got, _, _ = cp1_log_probs(compiled, batch)
-        assert torch.equal(got.counts, want.counts)
-        assert rel_err(got.sums.detach(), want.sums.detach()) <= COMPILE_TOL
-        want_grads, grads = grads_of(eager), grads_of(compiled)
-        assert set(grads) == set(want_grads)
-        for name, g in want_grads.items():
-            what = f"{regions}, checkpointing {checkpointing}, pack {seed}: {name}"
-            assert rel_err(grads[name], g) <= COMPILE_TOL, what
-        counted = compile_counters()
-        compiled_so_far.append((counted["frames_compiled"], counted["graphs_compiled"]))
-    assert compiled_so_far[0][1] > before["graphs_compiled"], "nothing compiled"
-    assert compiled_so_far[2] == compiled_so_far[1], f"the third pack compiled again: {compiled_so_far}"
+    _, eager = build_models("llama")
+    for i, (regions, checkpointing) in enumerate(COMPILE_VARIANTS):
+        compiled = copy.deepcopy(eager)
+        if checkpointing:
+            enable_activation_checkpointing(compiled, use_reentrant=False)
+        compile_model(compiled, regions, backend=recording)
+        compiled_so_far = []
+        for seed in (1, 2, 3):
+            what = f"{regions}, checkpointing {checkpointing}, pack {seed}"
+            _, _, batch = masked_pack(seed=seed)
+            eager.zero_grad(set_to_none=True)
+            compiled.zero_grad(set_to_none=True)
+            want, _, _ = cp1_log_probs(eager, batch)
+            calls = recording.calls()
+            got, _, _ = cp1_log_probs(compiled, batch)
+            ran = recording.ran_between(calls, recording.calls())
+            ops = " ".join(op for graph in ran for op in graph["ops"])
+            assert "silu" in ops and "rsqrt" in ops, f"{what}: no decoder layer ran compiled: {ops}"
+            assert torch.equal(got.counts, want.counts)
+            assert rel_err(got.sums.detach(), want.sums.detach()) <= COMPILE_TOL
+            want_grads, grads = grads_of(eager), grads_of(compiled)
+            assert set(grads) == set(want_grads)
+            for name, g in want_grads.items():
+                assert rel_err(grads[name], g) <= COMPILE_TOL, f"{what}: {name}"
+            counted = compile_counters()
+            compiled_so_far.append((counted["frames_compiled"], counted["graphs_compiled"]))
+        assert i or compiled_so_far[0][1] > before["graphs_compiled"], "nothing compiled"
+        assert compiled_so_far[2] == compiled_so_far[1], f"{regions}: the third pack compiled again: {compiled_so_far}"
