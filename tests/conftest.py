@@ -1,6 +1,7 @@
 """Test configuration: `tests/` on sys.path (shared helpers are `helpers.<module>`), a layer
 marker per test from its folder (`unit`, `multiprocess`, `gpu`, `e2e`; see pyproject.toml and
-docs/testing.md), one OpenMP thread per process, and the session-wide `gloo` fixture."""
+docs/testing.md), one OpenMP thread per process, Triton autotuning kept on disk, and the session-wide `gloo`
+fixture."""
 
 import gc
 import os
@@ -11,6 +12,9 @@ from pathlib import Path
 # script: on CI's 2 cores a second OpenMP thread spins against them, and the tiny ops gain nothing
 # from it (the unit tests ran in 65 s instead of 70-100 s here). An explicit OMP_NUM_THREADS wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton's autotuning choices on disk: fla's kernels (GPU tests) autotune for minutes on first use, and
+# every gloo rank process and later run would tune them again.
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 import pytest  # noqa: E402
 
