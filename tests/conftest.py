@@ -1,7 +1,7 @@
 """Test configuration: `tests/` on sys.path (shared helpers are `helpers.<module>`), a layer
 marker per test from its folder (`unit`, `multiprocess`, `gpu`, `e2e`; see pyproject.toml and
-docs/testing.md), one OpenMP thread per process, Triton autotuning kept on disk, and the session-wide `gloo`
-fixture."""
+docs/testing.md), one OpenMP thread per process, Triton autotuning kept on disk, and the
+session-wide `gloo` fixture."""
 
 import gc
 import os
