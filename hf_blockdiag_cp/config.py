@@ -31,6 +31,7 @@ def normalize_exchange(name: str) -> str:
 
 OVERLAP_SPLITS = ("queries", "keys")  # CPConfig.overlap besides False (True means "queries")
 NO_TARGET_POLICIES = ("warn", "raise")  # CPConfig.no_target_packs
+HEAD_TILES = ("auto", "compiled", "eager")  # CPConfig.head_tiles (logprobs.tiles)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class CPConfig:
       gradients). `warn` (default): a WARNING on the CP group's first rank with the count so far, at
       the 1st, 2nd, 4th, 8th ... such pack of the process; `raise`: a ValueError on every rank of
       the group (the Trainers check every rank's packs before the step, so every rank raises).
+    head_tiles: how the chunked log-prob head (`logprobs`: DPO, reward, RL) runs each tile's softmax
+      math: `auto` (default) through torch.compile on CUDA where it and Triton are available, else
+      eagerly; `compiled` (any device) or `eager` to force either. The same numbers up to reduction
+      order (`logprobs.tiles`).
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -80,6 +85,7 @@ class CPConfig:
     mixer_backend: str = "auto"
     mixer_transport: str = "auto"
     no_target_packs: str = "warn"
+    head_tiles: str = "auto"
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -116,6 +122,8 @@ class CPConfig:
         if self.no_target_packs not in NO_TARGET_POLICIES:
             raise ValueError(f"no_target_packs={self.no_target_packs!r} is not supported; accepted values: "
                              f"{', '.join(NO_TARGET_POLICIES)}")
+        if self.head_tiles not in HEAD_TILES:
+            raise ValueError(f"head_tiles={self.head_tiles!r} is not supported; accepted values: {', '.join(HEAD_TILES)}")
         if self.kernel_cost is not None and not isinstance(self.kernel_cost, KernelCost):
             raise TypeError(f"kernel_cost must be a planning.KernelCost or None; got {type(self.kernel_cost).__name__}")
 
@@ -144,6 +152,7 @@ def configure_cp(
     mixer_backend: str = "auto",
     mixer_transport: str = "auto",
     no_target_packs: str = "warn",
+    head_tiles: str = "auto",
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.
@@ -153,7 +162,7 @@ def configure_cp(
     """
     global _DEFAULT
     _DEFAULT = CPConfig(attn_backend, kv_exchange, layout, balance_tolerance, allow_cross_node_a2a, kernel_cost, overlap,
-                        mixer_backend, mixer_transport, no_target_packs)
+                        mixer_backend, mixer_transport, no_target_packs, head_tiles)
     return _DEFAULT
 
 

@@ -40,6 +40,7 @@ class HeadRequest:
     transform: LogitTransform
     chunk_size: int | None
     stats: tuple[str, ...]
+    tiles: str = "auto"  # how the head runs its tiles (`head.token_log_probs`)
     probe: int = 0  # rows the output embedding still runs on, to check the transform
     log_probs: torch.Tensor | None = None
     values: dict = field(default_factory=dict)
@@ -75,6 +76,7 @@ def _score(request: HeadRequest, module: torch.nn.Module) -> torch.Tensor:
     bias = getattr(module, "bias", None)
     request.log_probs, request.values = token_log_probs(
         request.hidden, module.weight, bias, request.targets, request.transform, request.chunk_size, request.stats,
+        request.tiles,
     )
     if request.probe:
         with torch.no_grad():

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..comm.reduce import all_reduce_sum
+from ..config import default_config
 from ..step import IGNORE_INDEX, STEP_KWARG
 from ..step.model_support import configured_model
 from .capture import HeadRequest, output_embedding, run_with_head
@@ -109,12 +110,15 @@ def shard_log_probs(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
     """Run `model` on this rank's `local` batch with the chunked head: ([L] fp32 log p(target) at every
     shard position with a target and 0 elsewhere, {stat: [L]} without gradient, the [L] target mask).
-    Per token only: `document_log_probs` adds the per-document sums over the CP group."""
+    Per token only: `document_log_probs` adds the per-document sums over the CP group. The head runs its
+    tiles as the step's `CPConfig.head_tiles` says (the process default's without a step)."""
     head = output_embedding(model)
     mask, rows, targets = _targets(local, head.weight.shape[0])
     config = getattr(configured_model(model), "config", None)
     transform = LogitTransform.of_config(config, temperature) if config is not None else LogitTransform(temperature=temperature)
-    request = HeadRequest(rows, targets, transform, chunk_size, tuple(stats))
+    step = local.get(STEP_KWARG)
+    tiles = default_config().head_tiles if step is None else step.head_tiles
+    request = HeadRequest(rows, targets, transform, chunk_size, tuple(stats), tiles)
     run_with_head(model, {k: v for k, v in local.items() if k not in LOSS_KEYS}, request)
     length = mask.numel()
 

@@ -3,12 +3,17 @@
 `token_log_probs(hidden [N, H], weight [V, H], bias, targets [N], transform)` projects `chunk_size`
 rows at a time through the output embedding, turns each `[chunk, V]` tile into the log-prob of its
 targets (and, on request, per-token statistics), and keeps nothing of the tile: the forward holds one
-fp32 tile (with its temporaries) at a time and saves the hidden rows and one log-sum-exp per row. The
-backward recomputes each tile and accumulates the gradients of the hidden rows, the weight and the
-bias in fp32: next to one tile it holds an fp32 `[V, H]` buffer for the weight's gradient (4 bytes
-per weight element, twice a bf16 gradient) and an fp32 `[N, H]` one for the rows', each cast to its
-tensor's dtype at the end (a copy unless fp32). Both passes also hold the weight in the compute
-dtype when autocast computes in another.
+tile at a time and saves the hidden rows and one log-sum-exp per row. The backward recomputes each
+tile and accumulates the gradients of the hidden rows, the weight and the bias in fp32: next to one
+tile it holds an fp32 `[V, H]` buffer for the weight's gradient (4 bytes per weight element, twice a
+bf16 gradient) and an fp32 `[N, H]` one for the rows', each cast to its tensor's dtype at the end (a
+copy unless fp32). Both passes also hold the weight in the compute dtype when autocast computes in
+another.
+
+A tile stays in the compute dtype (the matmul's rounding); its softmax math is fp32 in the tile
+functions (`tiles`), which `tiles="auto"` (`CPConfig.head_tiles` for the trainers) runs through
+`torch.compile` on CUDA, fused into kernels that read the tile once and hold no fp32 copy of it, and
+eagerly elsewhere (fp32 temporaries of the tile, op by op); "compiled" and "eager" force either.
 
 `LogitTransform` is what the model's forward does to the output embedding's result before the
 softmax (a scale, Gemma's final soft-capping) and a sampling temperature; `capture.py` checks it
@@ -20,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .tiles import TILE_MODES, tile_functions
 
 # Per-token statistics the head computes on request (no gradient), next to the log-probs.
 STATS = ("entropy", "mean_logits", "is_top1", "log_sum_sq_probs")
@@ -92,18 +99,18 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 
 
 def _tile(hidden, weight, bias, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    """The raw fp32 logits of rows [start, stop): (h·Wᵀ + b) in `dtype`, then fp32."""
+    """The raw logits of rows [start, stop), h·Wᵀ + b, in `dtype` (the tile functions read it as it is)."""
     raw = hidden[start:stop].to(dtype) @ weight.to(dtype).t()
-    if bias is not None:
-        raw = raw + bias.to(dtype)
-    return raw.float()
+    return raw if bias is None else raw + bias.to(dtype)
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, chunk: int, stats: tuple[str, ...]):
+    def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, chunk: int, stats: tuple[str, ...],
+                tiles: str):
         ctx.set_materialize_grads(False)
         dtype = _compute_dtype(hidden)
+        forward_tile, backward_tile = tile_functions(tiles, hidden.device)
         n = hidden.shape[0]
         log_probs = torch.empty(n, dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty_like(log_probs)
@@ -112,21 +119,15 @@ class _ChunkedLogProbs(torch.autograd.Function):
         w = weight.to(dtype)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
-            z = transform.apply(_tile(hidden, w, bias, start, stop, dtype))
-            lse = torch.logsumexp(z, dim=-1)
-            target = z.gather(1, targets[start:stop, None]).squeeze(1)
+            raw = _tile(hidden, w, bias, start, stop, dtype)
+            with torch.autocast(hidden.device.type, enabled=False):  # fp32 math, whatever the caller's autocast
+                lse, target, *values = forward_tile(raw, targets[start:stop], transform, stats)
             log_probs[start:stop] = target - lse
             lse_all[start:stop] = lse
-            if "entropy" in extra:
-                extra["entropy"][start:stop] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-            if "mean_logits" in extra:
-                extra["mean_logits"][start:stop] = z.mean(-1)
-            if "is_top1" in extra:  # the first maximal logit is the target's (TRL's `is_top1`)
-                extra["is_top1"][start:stop] = z.argmax(-1) == targets[start:stop]
-            if "log_sum_sq_probs" in extra:
-                extra["log_sum_sq_probs"][start:stop] = torch.logsumexp(2 * z, dim=-1) - 2 * lse
+            for name, value in zip(stats, values):
+                extra[name][start:stop] = value
         ctx.save_for_backward(hidden, weight, bias, targets, lse_all)
-        ctx.transform, ctx.chunk, ctx.dtype = transform, chunk, dtype
+        ctx.transform, ctx.chunk, ctx.dtype, ctx.backward_tile = transform, chunk, dtype, backward_tile
         ctx.mark_non_differentiable(*extra.values())
         return (log_probs, *extra.values())
 
@@ -135,7 +136,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, lse_all = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         if grad_log_probs is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         dtype, transform = ctx.dtype, ctx.transform
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
@@ -144,14 +145,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             stop = min(start + ctx.chunk, hidden.shape[0])
             raw = _tile(hidden, w, bias, start, stop, dtype)
-            # d log p[target] / d logits = onehot(target) - softmax, times the upstream gradient
-            grad = torch.exp(transform.apply(raw) - lse_all[start:stop, None]).neg_()
-            grad.scatter_add_(1, targets[start:stop, None], torch.ones_like(grad[:, :1]))
-            grad.mul_(grad_log_probs[start:stop, None].float())
-            grad = transform.backward(raw, grad)
+            with torch.autocast(hidden.device.type, enabled=False):
+                grad, bias_sum = ctx.backward_tile(raw, lse_all[start:stop], targets[start:stop],
+                                                   grad_log_probs[start:stop], transform, grad_bias is not None)
             if grad_bias is not None:
-                grad_bias += grad.sum(0)
-            grad = grad.to(dtype)
+                grad_bias += bias_sum
             if grad_hidden is not None:
                 _addmm_fp32(grad_hidden[start:stop], grad, w)
             if grad_weight is not None:
@@ -160,7 +158,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             None if grad_hidden is None else grad_hidden.to(hidden.dtype),
             None if grad_weight is None else grad_weight.to(weight.dtype),
             None if grad_bias is None else grad_bias.to(bias.dtype),
-            None, None, None, None,
+            None, None, None, None, None,
         )
 
 
@@ -172,11 +170,13 @@ def token_log_probs(
     transform: LogitTransform = LogitTransform(),
     chunk_size: int | None = None,
     stats: tuple[str, ...] = (),
+    tiles: str = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """log p(targets[i] | hidden[i]) for each of the N rows (fp32 `[N]`, differentiable in `hidden`,
     `weight` and `bias`), and the requested per-token `stats` (`STATS`: entropy, mean logit, whether
     the target is the first argmax, log Σ p²; fp32 or bool `[N]`, no gradient). At most
-    `chunk_size` rows (default: `default_chunk_size(V)`) are projected at a time."""
+    `chunk_size` rows (default: `default_chunk_size(V)`) are projected at a time. `tiles`: how each
+    tile's math runs, "auto" (compiled on CUDA), "compiled" or "eager" (`tiles.tile_functions`)."""
     unknown = [name for name in stats if name not in STATS]
     if unknown:
         raise ValueError(f"stats {unknown} are not known; expected names from {STATS}")
@@ -187,6 +187,8 @@ def token_log_probs(
     chunk = default_chunk_size(weight.shape[0]) if chunk_size is None else chunk_size
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk_size must be a positive integer or None; got {chunk_size!r}")
+    if tiles not in TILE_MODES:
+        raise ValueError(f"tiles={tiles!r} is not supported; accepted values: {', '.join(TILE_MODES)}")
     ordered = tuple(name for name in STATS if name in stats)
-    out = _ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), transform, chunk, ordered)
+    out = _ChunkedLogProbs.apply(hidden, weight, bias, targets.long(), transform, chunk, ordered, tiles)
     return out[0], dict(zip(ordered, out[1:]))

@@ -238,5 +238,6 @@ def make_cp_blockdiag_batch_and_ctx(
                 prepare(target)  # per-step kernel state (e.g. the flex block mask) before the first layer (I4)
     step.requested_kv_exchange, step.model = config.kv_exchange, model
     step.mixer_backend, step.mixer_transport = config.mixer_backend, config.mixer_transport
+    step.head_tiles = config.head_tiles
     local[STEP_KWARG] = step
     return step.activate, local, layout
