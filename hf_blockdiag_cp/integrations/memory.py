@@ -201,6 +201,29 @@ class CheckpointOffload:
         return out
 
 
+def offloaded_layers(model: torch.nn.Module) -> int:
+    """How many of `model`'s layers offload their checkpointed input (`enable_checkpoint_offload`)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    functions = [checkpoint_function(m) for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return sum(isinstance(getattr(f, "checkpoint_func", f), CheckpointOffload) for f in functions)
+
+
+def check_offload_kept(model: torch.nn.Module, args) -> None:
+    """Raise if `model` offloads checkpointed layer inputs and the TrainingArguments `args` turn activation
+    checkpointing on: the Trainer enables it again when training starts, which puts the stock checkpoint
+    back on every layer and drops the offload, silently."""
+    field = "activation_checkpointing" if hasattr(args, "activation_checkpointing") else "gradient_checkpointing"
+    if not getattr(args, field, False) or not offloaded_layers(model):
+        return
+    raise ValueError(
+        f"the model offloads its checkpointed layer inputs (enable_checkpoint_offload) and {type(args).__name__}."
+        f"{field} is True; expected False: the Trainer would enable checkpointing again when training starts and "
+        f"drop the offload. Enable checkpointing on the model ({checkpointing_call()}), then the offload, and leave "
+        f"{field} unset"
+    )
+
+
 def enable_checkpoint_offload(model: torch.nn.Module) -> int:
     """Offload each checkpointed layer's input to pinned host memory for its recompute(s).
     Call after enabling non-reentrant activation checkpointing (`model.activation_checkpointing_enable(

@@ -19,6 +19,7 @@ from ...comm.parallel_dims import ParallelDims, world_size_error
 from ...data.collator import BlockdiagCPCollator
 from ...data.packing import oversize_policy
 from ..accelerate import launched_world_size
+from ..memory import check_offload_kept
 from ..transformers import ATTN_IMPLEMENTATION
 
 
@@ -217,6 +218,7 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
     check_launched_world(args)
     check_model_setup(trainer.model, args.world_size, cp_size, checkpointing_kwargs(args))
     check_sharded_model_engine(trainer)
+    check_offload_kept(trainer.model, args)
     check_no_foreign_parallelism("accelerator", getattr(trainer.accelerator, "parallelism_config", None))
     if args.per_device_train_batch_size != 1:
         raise ValueError(
