@@ -46,6 +46,14 @@ class DocumentPiece:
 
 PackItem = Union[int, DocumentPiece]
 
+# A micro-batch of several packs (the preference trainers' `batching="pairs"`): the packs, in the order they run.
+PACKS_KEY = "blockdiag_cp_packs"
+
+
+def micro_batch_packs(batch: dict) -> list[dict]:
+    """The packs of one micro-batch, each a CP step of its own: `batch[PACKS_KEY]`, else the batch itself."""
+    return batch[PACKS_KEY] if PACKS_KEY in batch else [batch]
+
 
 def check_not_empty(lengths: Sequence[int]) -> None:
     """Raise ValueError for a dataset that gives nothing to train on: no example, or only examples

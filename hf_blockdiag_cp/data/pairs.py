@@ -96,6 +96,8 @@ class PairBatch:
     tokens: the real tokens of the pack.
     values: per-pair columns of the dataset named in `pair_columns` (e.g. reference log-probs, margins), [P, ...].
     streams: per-position rows of this rank's shard, [1, L] (e.g. `last_token`, `target_weight`).
+    filler: a pack that only gives its DP replica as many packs as the others in a round (`data.pair_batches`):
+      its pairs weigh 0 in the loss, the pair counts and the metrics, but it still runs through the model.
     """
 
     pairs: int
@@ -104,6 +106,7 @@ class PairBatch:
     tokens: int
     values: dict = field(default_factory=dict)
     streams: dict = field(default_factory=dict)
+    filler: bool = False
 
     def to(self, device, non_blocking: bool = False) -> "PairBatch":
         def move(t):
