@@ -68,9 +68,9 @@ class CPConfig:
       the 1st, 2nd, 4th, 8th ... such pack of the process; `raise`: a ValueError on every rank of
       the group (the Trainers check every rank's packs before the step, so every rank raises).
     head_tiles: how the chunked log-prob head (`logprobs`: DPO, reward, RL) runs each tile's softmax
-      math: `auto` (default) through torch.compile on CUDA where it and Triton are available, else
-      eagerly; `compiled` (any device) or `eager` to force either. The same numbers up to reduction
-      order (`logprobs.tiles`).
+      math: `eager` (default: op by op), `auto` (through torch.compile on CUDA where it and Triton
+      are available, else eagerly) or `compiled` (any device). The same numbers up to reduction
+      order (`logprobs.tiles`); the compiled tiles are tested on CPU, not yet on a GPU.
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
@@ -85,7 +85,7 @@ class CPConfig:
     mixer_backend: str = "auto"
     mixer_transport: str = "auto"
     no_target_packs: str = "warn"
-    head_tiles: str = "auto"
+    head_tiles: str = "eager"
 
     def __post_init__(self):
         set_ = object.__setattr__  # frozen: normalise in place once
@@ -152,7 +152,7 @@ def configure_cp(
     mixer_backend: str = "auto",
     mixer_transport: str = "auto",
     no_target_packs: str = "warn",
-    head_tiles: str = "auto",
+    head_tiles: str = "eager",
 ) -> CPConfig:
     """Set the process default `CPConfig` (used by every step and `shard_batch` called without
     `config=`) and return it; its fields are CPConfig's.

@@ -40,7 +40,7 @@ class HeadRequest:
     transform: LogitTransform
     chunk_size: int | None
     stats: tuple[str, ...]
-    tiles: str = "auto"  # how the head runs its tiles (`head.token_log_probs`)
+    tiles: str = "eager"  # how the head runs its tiles (`head.token_log_probs`)
     probe: int = 0  # rows the output embedding still runs on, to check the transform
     log_probs: torch.Tensor | None = None
     values: dict = field(default_factory=dict)

@@ -13,7 +13,8 @@ another.
 A tile stays in the compute dtype (the matmul's rounding); its softmax math is fp32 in the tile
 functions (`tiles`), which `tiles="auto"` (`CPConfig.head_tiles` for the trainers) runs through
 `torch.compile` on CUDA, fused into kernels that read the tile once and hold no fp32 copy of it, and
-eagerly elsewhere (fp32 temporaries of the tile, op by op); "compiled" and "eager" force either.
+eagerly elsewhere (fp32 temporaries of the tile, op by op); "compiled" and "eager" (the default)
+force either.
 
 `LogitTransform` is what the model's forward does to the output embedding's result before the
 softmax (a scale, Gemma's final soft-capping) and a sampling temperature; `capture.py` checks it
@@ -170,13 +171,13 @@ def token_log_probs(
     transform: LogitTransform = LogitTransform(),
     chunk_size: int | None = None,
     stats: tuple[str, ...] = (),
-    tiles: str = "auto",
+    tiles: str = "eager",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """log p(targets[i] | hidden[i]) for each of the N rows (fp32 `[N]`, differentiable in `hidden`,
     `weight` and `bias`), and the requested per-token `stats` (`STATS`: entropy, mean logit, whether
     the target is the first argmax, log Σ p²; fp32 or bool `[N]`, no gradient). At most
     `chunk_size` rows (default: `default_chunk_size(V)`) are projected at a time. `tiles`: how each
-    tile's math runs, "auto" (compiled on CUDA), "compiled" or "eager" (`tiles.tile_functions`)."""
+    tile's math runs, "eager" (default), "auto" (compiled on CUDA) or "compiled" (`tiles.tile_functions`)."""
     unknown = [name for name in stats if name not in STATS]
     if unknown:
         raise ValueError(f"stats {unknown} are not known; expected names from {STATS}")

@@ -279,7 +279,7 @@ class CPStep:
     overlapped_queries: int = 0  # query rows attended while an exchange was in flight, this step (recompute included)
     mixer_backend: str = "auto"  # kernels of recurrent token mixers (CPConfig.mixer_backend)
     mixer_transport: str = "auto"  # how they cross the group (CPConfig.mixer_transport)
-    head_tiles: str = "auto"  # how the log-prob head runs its tiles (CPConfig.head_tiles)
+    head_tiles: str = "eager"  # how the log-prob head runs its tiles (CPConfig.head_tiles)
     attention_free: bool = False  # set by the token mixers of a model without attention layers (Mamba2)
 
     @contextlib.contextmanager
