@@ -48,205 +48,23 @@ STARTED = time.perf_counter()  # --budget-s counts from here, the imports includ
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # fla's autotuning kept on disk for a later run
 
 import argparse
-import copy
-import gc
-import statistics
 import sys
-import tempfile
-from types import SimpleNamespace
 
-import accelerate
-import torch
-import trl
-from transformers import PrinterCallback, TrainerCallback, TrainingArguments
-from trl import DPOConfig, DPOTrainer
+import speed_rows  # same folder: the trainer benchmarks' models, data, trainers and timer
+from hf_blockdiag_cp.bench.common import markdown_table
+from speed_rows import (
+    ROW_OVERHEAD_S, add_run_arguments, dpo_trainer, environment, expected_s, finish_run_arguments, log, model_config,
+    pair_examples, parameters, skipped, train_row, write_outputs,
+)
 
-import hf_blockdiag_cp  # noqa: F401  (registers the "blockdiag_cp" attention)
-from hf_blockdiag_cp import CPConfig
-from hf_blockdiag_cp.bench.common import environment, lognormal_lengths, markdown_table, write_json
-from hf_blockdiag_cp.bench.model_hybrid import build_config
-from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
-
-TINY_LAYERS = {"llama": 2, "qwen3_5": 4}  # --tiny: Qwen3.5's fourth layer is its first full-attention one
-ROW_OVERHEAD_S = 30.0  # a row besides its steps: model and trainer construction, a recompile for a new shape
-MIN_SEQ = 8  # shorter sampled sequences (the cut remainder) are merged into another one
-SYNC = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+speed_rows.configure("dpo_speed", STARTED)
 COLUMNS = ["model", "method", "attn", "S", "pairs", "longest", "computed", "first_s", "step_s", "timed", "tokens_per_s",
            "peak_gib", "status"]
 
 
-def log(message: str) -> None:
-    print(f"[dpo_speed {time.perf_counter() - STARTED:6.1f} s] {message}", flush=True)
-
-
-def pair_examples(total: int, mean: float, cap: int, vocab: int, seed: int = 0) -> list[dict]:
-    """Pre-tokenized pairs whose sequences (prompt + completion) sum to exactly `total` tokens."""
-    lengths = lognormal_lengths(total, mean, seed=seed, cap=cap)
-    while len(lengths) > 2 and (len(lengths) % 2 or min(lengths) < MIN_SEQ):
-        short = lengths.pop(lengths.index(min(lengths)))
-        lengths[lengths.index(min(lengths))] += short
-    if len(lengths) % 2 or min(lengths) < 2:
-        raise SystemExit(f"S={total}: too few tokens for pairs of mean length {mean}")
-    g = torch.Generator().manual_seed(seed)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(3, vocab, (n,), generator=g).tolist()  # 0-2: the tokenizer's specials
-
-    rows = []
-    for a, b in zip(lengths[::2], lengths[1::2]):
-        prompt = min(a, b) // 2
-        rows.append({"prompt_ids": ids(prompt), "chosen_ids": ids(a - prompt), "rejected_ids": ids(b - prompt)})
-    return rows
-
-
-def tokenizer():
-    """A three-token tokenizer: the pairs are pre-tokenized, the trainers only read its pad and eos."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    core = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
-def model_config(name: str, args):
-    layers = args.layers or (TINY_LAYERS[name] if args.tiny else None)
-    config = build_config(SimpleNamespace(model=None, arch=name, tiny=args.tiny, layers=layers))
-    config.pad_token_id, config.eos_token_id = 0, 1  # the tokenizer's (TRL would align them, with a warning)
-    return config
-
-
-def build_models(name: str, attn: str, args):
-    """(policy, reference): the config's model built on the device with seed 0, and a copy of it."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(args.device):  # initialised where it runs: a 1B model's CPU init costs a minute
-        policy = AutoModelForCausalLM.from_config(model_config(name, args), dtype=args.dtype, attn_implementation=attn)
-    return policy, copy.deepcopy(policy)
-
-
-def parameters(name: str, args) -> int:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config(name, args)).parameters())
-
-
-class PretokenizedDPOTrainer(DPOTrainer):
-    """TRL's DPOTrainer taking `prompt_ids` / `chosen_ids` / `rejected_ids` as given (its preparation
-    expects text; it runs before training and is not timed either way)."""
-
-    def _prepare_dataset(self, dataset, *args, **kwargs):
-        return dataset
-
-
-class StepTimer(TrainerCallback):
-    """Seconds of every optimizer step (CUDA synchronised at both ends). Stops training after a step once
-    `deadline` has passed, or once the steps after the first (at least one) took `budget` seconds."""
-
-    def __init__(self, label: str, budget: float, deadline: float):
-        self.label, self.budget, self.deadline = label, budget, deadline
-        self.times: list[float] = []
-        self._t0 = 0.0
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        SYNC()
-        self._t0 = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        SYNC()
-        self.times.append(time.perf_counter() - self._t0)
-        log(f"{self.label} step {len(self.times)}/{args.max_steps}: {self.times[-1]:.2f} s")
-        if time.perf_counter() > self.deadline or sum(self.times[1:]) > self.budget:
-            control.should_training_stop = True
-
-
-def checkpointing_fields() -> dict:
-    """Non-reentrant activation checkpointing in this Transformers' spelling (`activation_*` from 5.23)."""
-    prefix = "activation" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__ else "gradient"
-    return {f"{prefix}_checkpointing": True, f"{prefix}_checkpointing_kwargs": {"use_reentrant": False}}
-
-
-def pair_dataset(rows: list[dict]):
-    """The pairs as a `datasets.Dataset` (TRL takes no other), its fingerprint given: hashing the table
-    failed with the datasets / pyarrow wheels of the H200's Python 3.12 (docs/testing.md)."""
-    from datasets import Dataset
-    from datasets.table import InMemoryTable
-
-    return Dataset(InMemoryTable.from_pylist(rows), fingerprint=f"dpo_speed_{len(rows)}_pairs")
-
-
-def make_trainer(args, name: str, method: str, attn: str, rows: list[dict], S: int, steps: int, timer, workdir: str):
-    cuda = args.device == "cuda"
-    longest = max(len(r["prompt_ids"]) + len(r[k]) for r in rows for k in ("chosen_ids", "rejected_ids"))
-    config = DPOConfig(
-        output_dir=workdir, max_steps=steps, per_device_train_batch_size=1 if method == "ours" else len(rows),
-        learning_rate=1e-6, lr_scheduler_type="constant", optim="adamw_torch", max_grad_norm=1.0, logging_steps=1,
-        save_strategy="no", report_to="none", bf16=cuda, use_cpu=not cuda, disable_tqdm=True, seed=0,
-        max_length=max(args.max_length, longest), loss_type=["sigmoid"], beta=0.1, **checkpointing_fields())
-    policy, ref = build_models(name, "blockdiag_cp" if method == "ours" else attn, args)
-    common = dict(model=policy, ref_model=ref, args=config, train_dataset=pair_dataset(rows),
-                  processing_class=tokenizer(), callbacks=[timer])
-    if method == "ours":
-        trainer = BlockdiagCPDPOTrainer(**common, cp_size=1, max_tokens=S, cp_config=CPConfig(attn_backend=attn))
-        packs = len(trainer.get_train_dataloader())
-        if packs != 1:
-            raise RuntimeError(f"the pairs of S={S} made {packs} packs; expected one pack per step")
-    else:
-        trainer = PretokenizedDPOTrainer(**common)
-    trainer.remove_callback(PrinterCallback)
-    return trainer
-
-
-def ran_with(trainer, method: str, attn: str) -> str:
-    """What the steps ran: ours logs the step's kernel (and token mixers) once; trl its attn_implementation."""
-    if method != "ours":
-        return attn
-    logged = {k: v for entry in trainer.state.log_history for k, v in entry.items() if k in ("cp_attn_kernel", "cp_mixers")}
-    return " ".join(str(v) for v in logged.values()) or attn
-
-
-def expected_s(args, history: list[dict], name: str, method: str, S: int, steps: int) -> float:
-    """Seconds a row should take: the per-step time of the nearest row of the model and method that ran
-    a step, scaled linearly in S, times `steps`, plus ROW_OVERHEAD_S; --first-row-s before any ran."""
-    done = [r for r in history if (r["model"], r["method"]) == (args.labels[name], method) and r.get("first_s")]
-    if not done:
-        return args.first_row_s
-    last = min(done, key=lambda r: abs(r["S"] - S))
-    return ROW_OVERHEAD_S + steps * (last.get("step_s") or last["first_s"]) * S / last["S"]
-
-
-def train_row(args, row: dict, label: str, tokens: int, make) -> None:
-    """Train `make(timer, workdir)`'s trainer into `row`: status (ok, oom, error), the method's attention
-    (`ran_with`) and first loss, the first and the median timed step, tokens/s (`tokens` per step) and
-    the peak memory; the device cleaned up afterwards. Shared with grpo_speed.py."""
-    timer = StepTimer(label, args.row_budget_s, args.deadline)
-    trainer, cuda = None, args.device == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as workdir:
-        try:
-            trainer = make(timer, workdir)
-            trainer.train()
-            losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-            row.update(status="ok", attn=ran_with(trainer, row["method"], row["attn"]), loss=losses[0] if losses else None)
-        except Exception as exc:  # noqa: BLE001 - a size or kernel that does not run here is a result
-            message = f"{type(exc).__name__}: {str(exc).strip()}"
-            oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in message.lower()
-            row.update(status="oom" if oom else f"error: {message[:100]}", error=message[:2000])
-    if timer.times:
-        timed = timer.times[1:]
-        row.update(first_s=timer.times[0], timed=len(timed))
-        if timed:
-            step = statistics.median(timed)
-            row.update(step_s=step, tokens_per_s=tokens / step, steps_s=[round(t, 3) for t in timed])
-    if cuda:
-        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    del trainer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-        row["left_gib"] = torch.cuda.memory_allocated() / 2**30  # should be ~0: nothing of the row kept
+def keys(args, name: str, method: str) -> list[dict]:
+    """The rows whose step time predicts a row's (`expected_s`): the model and method's."""
+    return [{"model": args.labels[name], "method": method}]
 
 
 def run_row(args, history: list[dict], name: str, method: str, S: int, attn: str, steps: int) -> dict:
@@ -257,13 +75,13 @@ def run_row(args, history: list[dict], name: str, method: str, S: int, attn: str
     lengths = [len(r["prompt_ids"]) + len(r[k]) for r in rows for k in ("chosen_ids", "rejected_ids")]
     row = {"model": args.labels[name], "method": method, "attn": attn, "S": S, "pairs": len(rows),
            "longest": max(lengths), "computed": S if method == "ours" else len(lengths) * max(lengths)}
-    expected, left = expected_s(args, history, name, method, S, steps), args.deadline - time.perf_counter()
-    if expected > left:
-        return dict(row, status=f"skipped: ~{expected:.0f} s expected, {max(left, 0):.0f} s left of --budget-s")
+    status = skipped(args, history, keys(args, name, method), S, steps)
+    if status:
+        return dict(row, status=status)
     label = f"{name} {method} ({attn}) S={S}"
     log(f"{label}: {len(rows)} pairs, longest {max(lengths)}, {steps} step(s)")
-    train_row(args, row, label, S, lambda timer, workdir: make_trainer(args, name, method, attn, rows, S, steps, timer,
-                                                                       workdir))
+    train_row(args, row, label, S, lambda timer, workdir: dpo_trainer(args, name, method, attn, rows, S, steps, timer,
+                                                                      workdir))
     log(f"{label}: {row['status']}, first {row.get('first_s', float('nan')):.2f} s, steps {row.get('steps_s')}, "
         f"{row.get('tokens_per_s', float('nan')):,.0f} tokens/s, peak {row.get('peak_gib', float('nan')):.1f} GiB, "
         f"first loss {row.get('loss')}")
@@ -289,21 +107,9 @@ def ratios(rows: list[dict], labels: list[str], sizes: list[int]) -> list[dict]:
     return out
 
 
-def method_rows(args, history: list[dict], name: str, method: str, S: int, steps: int, run=None) -> list[dict]:
-    """The method's row at S (`run`: this script's `run_row` or another benchmark's, same arguments);
-    trl: with the attention fixed for the model once one ran (or ran out of memory), else each of
-    --trl-attn in turn until one does, the failed attempts rows too (they say why)."""
-    run = run_row if run is None else run
-    if method == "ours":
-        return [run(args, history, name, "ours", S, args.attn_backend, steps)]
-    out = []
-    for attn in [args.trl_attn_of[name]] if name in args.trl_attn_of else args.trl_attn:
-        out.append(run(args, history + out, name, "trl", S, attn, steps))
-        if out[-1]["status"] in ("ok", "oom"):
-            args.trl_attn_of[name] = attn
-        if not out[-1]["status"].startswith("error"):
-            break
-    return out
+def method_rows(args, history: list[dict], name: str, method: str, S: int, steps: int) -> list[dict]:
+    """The method's row(s) at S (`speed_rows.method_rows`: trl's attentions tried in turn)."""
+    return speed_rows.method_rows(args, history, name, method, S, steps, run=run_row)
 
 
 def grid(args, result: dict, name: str, save) -> None:
@@ -328,7 +134,7 @@ def longest(args, result: dict, name: str, save) -> None:
         for S in sorted(s for s in sizes if s > (entry["largest_ran"] or 0)):
             if entry["first_failed"] is not None and S >= entry["first_failed"]:
                 break
-            one_step = expected_s(args, result["rows"] + result["fit_rows"], name, method, S, 1) - ROW_OVERHEAD_S
+            one_step = expected_s(args, result["rows"] + result["fit_rows"], keys(args, name, method), S, 1) - ROW_OVERHEAD_S
             if one_step > args.row_budget_s:
                 entry.update(why=f"skipped: S={S}, one step ~{one_step:.0f} s expected, over --row-budget-s")
                 break
@@ -365,37 +171,23 @@ def report(args, result: dict) -> str:
 def save(args, result: dict) -> str:
     """Ratios, then <out>/dpo_speed.json and .md as measured so far; returns the tables."""
     result["ratios"] = ratios(result["rows"], list(args.labels.values()), args.seq_lens)
-    write_json(f"{args.out}/dpo_speed.json", {"args": vars(args), **result})
-    tables = report(args, result)
-    with open(f"{args.out}/dpo_speed.md", "w") as f:
-        f.write(tables + "\n")
-    return tables
+    return write_outputs(args, "dpo_speed", result, report(args, result))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="+", choices=["llama", "qwen3_5"], default=["llama", "qwen3_5"])
+    add_run_arguments(p, budget_s=520.0, out="bench_out/dpo_speed")
     p.add_argument("--methods", nargs="+", choices=["ours", "trl"], default=["ours", "trl"])
     p.add_argument("--seq-lens", type=int, nargs="+", default=None, help="S, real tokens per step (default 16384 65536)")
-    p.add_argument("--steps", type=int, default=2, help="timed steps after the first (untimed) one")
     p.add_argument("--longest", choices=["on", "off"], default="on", help="search the longest pack that runs a step")
     p.add_argument("--longest-models", nargs="*", choices=["llama", "qwen3_5"], default=["llama"])
     p.add_argument("--longest-ours", type=int, nargs="*", default=None, help="default 131072 262144 524288")
     p.add_argument("--longest-trl", type=int, nargs="*", default=None, help="default 32768 65536 131072")
     p.add_argument("--mean-len", type=float, default=None, help="mean sequence length, prompt + completion (2048)")
     p.add_argument("--max-length", type=int, default=None, help="cap of a sequence's length and DPOConfig.max_length (8192)")
-    p.add_argument("--attn-backend", default="auto", help="ours: CPConfig.attn_backend")
     p.add_argument("--trl-attn", nargs="+", default=None, help="trl: attn_implementations tried in turn")
-    p.add_argument("--budget-s", type=float, default=520.0, help="the run's time: a row starts only if expected to end in it")
-    p.add_argument("--row-budget-s", type=float, default=120.0, help="a row's timed steps stop once they took this")
-    p.add_argument("--first-row-s", type=float, default=None, help="expected time of a model and method's first row "
-                   "(compilation, autotuning): 200 (5 with --tiny)")
-    p.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (quick probes)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tiny", action="store_true", help="toy configs and sizes, CPU, fp32, sdpa: a smoke check")
-    p.add_argument("--out", default="bench_out/dpo_speed")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.tiny
+    cuda = finish_run_arguments(args, STARTED)
     defaults = (dict(seq_lens=[512, 1024], longest_ours=[2048, 4096], longest_trl=[2048], mean_len=64.0, max_length=256)
                 if args.tiny else dict(seq_lens=[16384, 65536], longest_ours=[131072, 262144, 524288],
                                        longest_trl=[32768, 65536, 131072], mean_len=2048.0, max_length=8192))
@@ -403,22 +195,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.device, args.dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
-    if args.tiny:
-        torch.set_num_threads(1)  # toy matrices: more threads only contend (a shared 2-core machine: 10x slower)
     if args.longest == "off":
         args.longest_models = []
-    if args.first_row_s is None:
-        args.first_row_s = 5.0 if args.tiny else 200.0
-    args.deadline = STARTED + args.budget_s
-    args.trl_attn_of = {}  # the attention TRL's rows of each model use once one ran
     return args
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     args.labels = {name: f"{name} {parameters(name, args) / 1e9:.3g}B" for name in args.models}
-    env = {**environment(), "trl": trl.__version__, "accelerate": accelerate.__version__}
+    env = environment()
     result = {"env": env, "rows": [], "fit_rows": [], "longest": {}, "ratios": []}
     log(f"{args.device} {env.get('device', '')}: models {args.labels}, S {args.seq_lens}, methods {args.methods}")
     for name in args.models:  # each model's main rows, then its longest-pack search
