@@ -212,6 +212,17 @@ def check_world(args, cp_size: int) -> None:
         raise ValueError(reason)
 
 
+def check_one_pack_per_micro_batch(args, hint: str = "") -> None:
+    """Raise unless `per_device_train_batch_size` is 1: each micro-batch is one pack of max_tokens tokens.
+    `hint`: what else the trainer offers, appended to the message."""
+    if args.per_device_train_batch_size != 1:
+        raise ValueError(
+            f"{type(args).__name__}.per_device_train_batch_size is {args.per_device_train_batch_size}; expected 1: each "
+            "micro-batch is one pack of max_tokens tokens (raise max_tokens or gradient_accumulation_steps for a larger "
+            f"batch){hint}"
+        )
+
+
 def check_trainer_setup(trainer, cp_size: int) -> None:
     """Misconfigurations of a constructed Trainer that would silently break I2 or run the Trainer's own CP."""
     args = trainer.args
@@ -220,11 +231,6 @@ def check_trainer_setup(trainer, cp_size: int) -> None:
     check_sharded_model_engine(trainer)
     check_offload_kept(trainer.model, args)
     check_no_foreign_parallelism("accelerator", getattr(trainer.accelerator, "parallelism_config", None))
-    if args.per_device_train_batch_size != 1:
-        raise ValueError(
-            f"per_device_train_batch_size is {args.per_device_train_batch_size}; expected 1: each micro-batch is one "
-            "pack of max_tokens tokens (raise max_tokens or gradient_accumulation_steps for a larger batch)"
-        )
     if args.n_gpu > 1:
         raise ValueError(
             f"args.n_gpu is {args.n_gpu} (torch DataParallel in one process); expected one device per process: "

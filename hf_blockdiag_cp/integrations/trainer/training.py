@@ -10,6 +10,8 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
   SUM all-reduce per optimizer step, which also carries the token metrics).
 - `training_step`: shard step (`make_cp_blockdiag_batch_and_ctx`), then the stock step, i.e.
   forward and `accelerator.backward`, inside `train_ctx()`; what the step ran goes to the callback.
+  A micro-batch of several packs (`data.loader.PACKS_KEY`, the preference trainers' `batching="pairs"`)
+  runs one such step per pack, gradients synchronised once, after its last pack.
 - `compute_loss`: passes `num_items_in_batch = N / W` to the model (N = targets of the whole
   optimizer step over all ranks, W = world size), so each rank's loss is
   `local token-loss sum * W / N` (I2): DDP's gradient mean over the W ranks and the Trainer's
@@ -27,6 +29,7 @@ checkpoint when training begins (`integrations.compile`); accelerate compiles th
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -37,7 +40,7 @@ from ...comm.consensus import agree
 from ...comm.parallel_dims import ParallelDims
 from ...compat.transformers import trainer_reads_loss_scaling_flag
 from ...config import CPConfig, default_config
-from ...data.loader import packed_dataloader
+from ...data.loader import PACKS_KEY, micro_batch_packs, packed_dataloader
 from ...model_patches import apply_model_patches
 from ...model_patches.router_aux_loss import router_aux_scope
 from ...step import IGNORE_INDEX, SHARD_KEY, STEP_KWARG, make_cp_blockdiag_batch_and_ctx, shard_batch
@@ -48,6 +51,7 @@ from .evaluation import ShardedEvaluationMixin
 from .setup import (
     PackingOptions,
     check_no_foreign_parallelism,
+    check_one_pack_per_micro_batch,
     check_trainer_setup,
     check_world,
     resolve_cp_mesh,
@@ -115,10 +119,15 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         if self.args.torch_compile:
             self.add_callback(_CompileCheckpointedBodies(self.accelerator.state.dynamo_plugin.to_kwargs()))
         check_trainer_setup(self, cp_size)
+        self._check_micro_batch_size()
         check_train_dataset(self.train_dataset, self._empty_dataset_cause())  # empty: the Trainer would end at once
         self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
+
+    def _check_micro_batch_size(self) -> None:
+        """Raise for a `per_device_train_batch_size` this trainer's micro-batches cannot take (here: other than 1)."""
+        check_one_pack_per_micro_batch(self.args)
 
     def _empty_dataset_cause(self) -> str | None:
         """Why the train dataset came out empty, where a setting of the trainer's explains it (None here)."""
@@ -131,7 +140,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         c = self.cp_coordinates
-        loader = self._packed_loader(self.train_dataset, shuffle=self.packing.shuffle, drop_last=self.args.dataloader_drop_last)
+        loader = self._train_loader()
         agreement = agree(world_group(c.world_size), False, {"packs per epoch": len(loader)})
         if agreement.disagreeing():
             low, high = agreement.value("packs per epoch")
@@ -147,6 +156,10 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
                 f"{self.args.dataloader_drop_last}); add examples, lower max_tokens, or set dataloader_drop_last=False"
             )
         return loader
+
+    def _train_loader(self):
+        """The training micro-batches of this rank (one pack each here; the preference trainers' may hold several)."""
+        return self._packed_loader(self.train_dataset, shuffle=self.packing.shuffle, drop_last=self.args.dataloader_drop_last)
 
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
         """Packs of `dataset` for this rank, already sharded: the hook behind training and evaluation
@@ -178,7 +191,9 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
 
     def _local_batch(self, batch: dict) -> dict:
         """A batch sharded for this CP rank: as given if the collator already did it, else the pure
-        shard step with the configured layout."""
+        shard step with the configured layout (each pack of a micro-batch of several)."""
+        if PACKS_KEY in batch:
+            return {**batch, PACKS_KEY: [self._local_batch(pack) for pack in batch[PACKS_KEY]]}
         if SHARD_KEY in batch:
             return batch
         c = self.cp_coordinates
@@ -195,12 +210,13 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
                 break
         c = self.cp_coordinates
         tally = torch.zeros(2 + c.world_size, dtype=torch.int64)
-        for batch in batches:
-            tally[0] += self._micro_batch_items(batch)
-            tally[1] += batch["input_ids"].shape[1]
-            tally[2 + c.rank] += int(batch["document_ids"].gt(0).sum())
+        packs = [pack for batch in batches for pack in micro_batch_packs(batch)]
+        for pack in packs:
+            tally[0] += self._micro_batch_items(pack)
+            tally[1] += pack["input_ids"].shape[1]
+            tally[2 + c.rank] += 0 if self._is_filler(pack) else int(pack["document_ids"].gt(0).sum())
         # Packs with labels but no target, each once: counted by the first rank of its CP group.
-        targetless = torch.tensor([sum(c.cp_rank == 0 and _without_targets(batch) for batch in batches)])
+        targetless = torch.tensor([sum(c.cp_rank == 0 and _without_targets(pack) for pack in packs)])
         tally, targetless = sum_over_world(torch.cat([tally, targetless]), c.world_size).split([tally.numel(), 1])
         self._note_packs_without_targets(int(targetless))
         self.cp_callback.record(tally[2:].tolist(), int(tally[1]))
@@ -209,15 +225,32 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         return batches, num_items
 
     def _micro_batch_items(self, batch: dict) -> int:
-        """What the loss of one micro-batch is normalised over, this rank's share: its shard's targets
-        (the preference trainers count pairs). Summed over the optimizer step and every rank, it is the
-        `num_items_in_batch` that `compute_loss` receives."""
+        """What the loss of one pack is normalised over, this rank's share: its shard's targets (the
+        preference trainers count pairs). Summed over the packs of the optimizer step and every rank, it
+        is the `num_items_in_batch` that `compute_loss` receives."""
         labels = batch.get("shift_labels")
         return 0 if labels is None else int(labels.ne(IGNORE_INDEX).sum())
 
     # ---------------------------------------------------------------- step and loss
 
+    def _is_filler(self, pack: dict) -> bool:
+        """Whether a pack only evens the DP replicas' packs of a round (its tokens are no training data)."""
+        return False
+
     def training_step(self, model, inputs: dict[str, Any], num_items_in_batch=None):
+        """Each pack of the micro-batch (`micro_batch_packs`) as its own step: the packs before the last
+        under `accelerator.no_sync` where the Trainer synchronises this micro-batch, so gradients are
+        reduced once, as for one batch; the packs' summed loss, detached, as the Trainer expects."""
+        packs = micro_batch_packs(inputs)
+        total = None
+        for i, pack in enumerate(packs):
+            defer = i < len(packs) - 1 and self.accelerator.sync_gradients
+            with self.accelerator.no_sync(model) if defer else contextlib.nullcontext():
+                loss = self._pack_step(model, pack, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def _pack_step(self, model, inputs: dict[str, Any], num_items_in_batch=None):
         """Shard step, then the stock step (forward + backward) inside the step context."""
         inputs = send_to_device(self._local_batch(inputs), self.args.device)
         train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(

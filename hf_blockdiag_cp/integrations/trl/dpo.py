@@ -31,7 +31,7 @@ from ...logprobs import DocumentLogProbs, document_log_probs
 from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..trainer.setup import check_same_weights, world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
-from .preference import PairMetrics, PreferenceCPMixin, ratio
+from .preference import PairMetrics, PreferenceCPMixin, check_batching, ratio
 from .setup import (
     is_peft, pack_size, pad_token_of, prepare_reference, require_pair_columns, warn_if_unverified_trl,
 )
@@ -49,19 +49,25 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
 
     Arguments: those of `DPOTrainer` (as keywords; no `data_collator`), plus
       cp_size: ranks per CP group (1 = padding-free packing only); the world size must be a multiple.
-      max_tokens: the pack size, a multiple of 2*cp_size (default: 2 * DPOConfig.max_length rounded up
-        to one); a pair (both sequences after truncation) must fit.
+      batching: "pairs" (default): `DPOConfig.per_device_train_batch_size` pairs per micro-batch of each CP
+        group (a DP replica), in the stock Trainer's order, so a step holds per_device_train_batch_size *
+        gradient_accumulation_steps * dp_size pairs, as TRL's does; each micro-batch in as few packs as
+        max_tokens allows. "tokens": per_device_train_batch_size=1, one pack of as many pairs as fit per
+        micro-batch (fuller packs, more throughput; the pairs per step vary with their lengths).
+      max_tokens: the pack size, a multiple of 2*cp_size (default: 2 * DPOConfig.max_length, times
+        per_device_train_batch_size with batching="pairs", rounded up to one); a pair (both sequences after
+        truncation) must fit.
       cp_config, cp_mesh: as for `BlockdiagCPSFTTrainer`.
-    `args` must be a `DPOConfig` with `per_device_train_batch_size=1` (one pack per micro-batch). Every
-    `loss_type` of TRL 1.16 runs (docs/usage.md says how `sft` and `aot` see a pack).
+    Every `loss_type` of TRL 1.16 runs (docs/usage.md says how `sft` and `aot` see a pack).
     """
 
     def __init__(self, model, ref_model=None, args: DPOConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
-                 cp_config=None, cp_mesh=None, **kwargs):
+                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, batching: str = "pairs",
+                 max_tokens: int | None = None, cp_config=None, cp_mesh=None, **kwargs):
         warn_if_unverified_trl()
         if not isinstance(args, DPOConfig):
             raise ValueError(f"args must be a trl.DPOConfig; got {type(args).__name__}")
+        self.batching = check_batching(batching)
         check_loss_types(args)
         if args.use_liger_kernel:
             raise ValueError("DPOConfig.use_liger_kernel is True; expected False: Liger's kernels are not verified "
@@ -76,7 +82,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         super().__init__(
             model=model, ref_model=ref_model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
-            max_tokens=pack_size(max_tokens, args.max_length, cp_size),
+            max_tokens=pack_size(max_tokens, args.max_length, cp_size, self._default_pack_pairs(args), "DPOConfig"),
             pad_token_id=pad_token_of(processing_class), cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         if self.ref_model is not None:
             prepare_reference(self.model, self.ref_model)
@@ -199,7 +205,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         losses = pair_losses(self.args, terms)
         self._add_metrics(mode, terms, result, counts, counted and self.cp_coordinates.cp_rank == 0, aux)
         if aux is not None and mode == "train":
-            self._router_aux = aux  # compute_loss adds it once per micro-batch
+            self._router_aux = aux if counted else aux * 0.0  # compute_loss adds it once per pack (0: a filler pack)
         elif aux is not None:  # evaluation: each pair's share, so a pack's loss sum weighs it as TRL weighs a batch
             losses = losses + self.router_aux_loss_coef * aux
         return losses

@@ -1,8 +1,12 @@
 """What the preference trainers (DPO, reward models) share under block-diagonal CP.
 
-`PreferenceCPMixin` sits on `BlockdiagCPTrainerMixin` (one CP step per micro-batch, the same pack on
-the CP peers of a DP replica) and replaces what is token-level there by pairs:
-- data: TRL's prepared pairs packed whole (`data.pairs`): both sequences of a pair in one pack;
+`PreferenceCPMixin` sits on `BlockdiagCPTrainerMixin` (one CP step per pack, the same pack on the CP
+peers of a DP replica) and replaces what is token-level there by pairs:
+- data: TRL's prepared pairs packed whole (`data.pairs`): both sequences of a pair in one pack. With
+  `batching="pairs"` (the default) a micro-batch is `per_device_train_batch_size` pairs of each CP group in
+  the stock Trainer's order (TRL's micro-batch; `data.pair_batches`), in as few packs as `max_tokens`
+  allows, every DP replica running as many packs per round (filler packs weigh 0); with `batching="tokens"`
+  a micro-batch is one pack of as many pairs as fit (`per_device_train_batch_size=1`);
 - the loss: `_pair_losses` (the trainer's) gives one loss per pair of the pack, the same on every
   rank of the CP group (it is built from per-document sums over the group); each rank's loss is
   `Σ pack losses · dp_size / P`, P the pairs of the optimizer step over every DP replica, so the
@@ -21,12 +25,25 @@ import torch
 import torch.distributed as dist
 
 from ...comm.consensus import collective_device
+from ...data.pair_batches import pair_micro_batch_dataloader
 from ...data.pairs import PAIRS_KEY, PairBatch, PairPackCollator, check_pairs_fit, pair_dataloader, pair_lengths
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
-from ..trainer.setup import sum_over_world, world_group
+from ..trainer.setup import check_one_pack_per_micro_batch, sum_over_world, world_group
 
 MODES = ("train", "eval")
+BATCHING = ("pairs", "tokens")
+
+
+def check_batching(batching) -> str:
+    """`batching` as given, or ValueError naming it and its two values."""
+    if not isinstance(batching, str) or batching not in BATCHING:
+        raise ValueError(
+            f"batching is {batching!r}; expected 'pairs' (per_device_train_batch_size pairs per micro-batch of each CP "
+            "group, TRL's batch size) or 'tokens' (per_device_train_batch_size=1: one pack of as many pairs as fit "
+            "max_tokens per micro-batch)"
+        )
+    return batching
 
 
 class PairMetrics:
@@ -76,6 +93,7 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
     local, pairs, mode, counted)` and `_finish_metrics(sums, extremes)`."""
 
     pair_metrics: PairMetrics
+    batching: str = "pairs"
 
     def _pair_reader(self):
         raise NotImplementedError
@@ -127,25 +145,85 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
             if dataset is not None:
                 self._pair_lengths(dataset, name)
 
+    def _pack_collator(self) -> PairPackCollator:
+        c = self.cp_coordinates
+        return PairPackCollator(self._pair_reader(), self.packing.max_tokens, self.packing.pad_token_id, c.cp_size,
+                                c.cp_rank, self.cp_config, **self._pair_collator_options())
+
     def _packed_loader(self, dataset, shuffle: bool, drop_last: bool):
-        """Whole pairs per pack for this rank (the mixin's hook behind training and evaluation data)."""
-        reader = self._pair_reader()
+        """Whole pairs per pack for this rank (the mixin's hook behind evaluation data, and training data with
+        `batching="tokens"`)."""
         lengths = self._pair_lengths(dataset)
         c = self.cp_coordinates
         options = self._loader_options(shuffle, drop_last)
-        collator = PairPackCollator(reader, self.packing.max_tokens, self.packing.pad_token_id, c.cp_size, c.cp_rank,
-                                    options["cp_config"], **self._pair_collator_options())
-        return pair_dataloader(dataset, collator, lengths, self.packing.max_tokens, dp_size=c.dp_size, dp_rank=c.dp_rank,
-                               seed=options["seed"], shuffle=shuffle, drop_last=drop_last,
+        return pair_dataloader(dataset, self._pack_collator(), lengths, self.packing.max_tokens, dp_size=c.dp_size,
+                               dp_rank=c.dp_rank, seed=options["seed"], shuffle=shuffle, drop_last=drop_last,
                                num_workers=options["num_workers"])
 
+    def _train_loader(self):
+        """With `batching="pairs"`: micro-batches of `per_device_train_batch_size` pairs per DP replica in the stock
+        Trainer's order (`data.pair_batches`: seed `data_seed`, else `seed`; `dataloader_drop_last`), each in as
+        few packs as `max_tokens` allows; with `"tokens"`: one pack each."""
+        if self.batching == "tokens":
+            return super()._train_loader()
+        args, c = self.args, self.cp_coordinates
+        options = self._loader_options(self.packing.shuffle, args.dataloader_drop_last)
+        sequential = getattr(args, "train_sampling_strategy", "random") == "sequential"
+        loader = pair_micro_batch_dataloader(
+            self.train_dataset, self._pack_collator(), self._pair_lengths(self.train_dataset),
+            args.per_device_train_batch_size, self.packing.max_tokens, dp_size=c.dp_size, dp_rank=c.dp_rank,
+            seed=options["seed"], shuffle=self.packing.shuffle and not sequential, drop_last=args.dataloader_drop_last,
+            num_workers=options["num_workers"], limits=self._pair_limits())
+        if len(loader) == 0:  # the same on every rank: all raise
+            raise ValueError(
+                f"train_dataset's {len(self.train_dataset)} pairs fill no round of {type(args).__name__}."
+                f"per_device_train_batch_size={args.per_device_train_batch_size} pairs on each of {c.dp_size} DP "
+                "replicas, and dataloader_drop_last=True drops the rest; add pairs, lower per_device_train_batch_size, "
+                "or set dataloader_drop_last=False"
+            )
+        return loader
+
+    def _default_pack_pairs(self, args) -> int:
+        """The pairs the default pack holds at their longest: a micro-batch's (`batching="pairs"`), else one."""
+        size = args.per_device_train_batch_size
+        return size if self.batching == "pairs" and isinstance(size, int) and size > 0 else 1
+
+    def _check_micro_batch_size(self) -> None:
+        """`batching="tokens"`: per_device_train_batch_size=1. `"pairs"`: the stock Trainer's batching settings that
+        TRL's order follows (`data.pair_batches`); others would give TRL's step other pairs."""
+        args = self.args
+        name = type(args).__name__
+        if self.batching == "tokens":
+            check_one_pack_per_micro_batch(args, f"; or pass batching='pairs' for {name}.per_device_train_batch_size "
+                                                 "pairs per micro-batch, as TRL batches them")
+            return
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if strategy not in ("random", "sequential") or getattr(args, "group_by_length", False):
+            raise ValueError(
+                f"{name}.train_sampling_strategy is {strategy!r}; expected 'random' or 'sequential' with batching='pairs': "
+                "the micro-batches follow the stock Trainer's random (or sequential) order; pass batching='tokens' to "
+                "group pairs by length into packs"
+            )
+        config = getattr(args, "accelerator_config", None)
+        if getattr(config, "split_batches", False) or not getattr(config, "even_batches", True):
+            raise ValueError(
+                f"{name}.accelerator_config has split_batches={config.split_batches}, even_batches={config.even_batches}; "
+                "expected split_batches=False and even_batches=True (the defaults) with batching='pairs': "
+                "per_device_train_batch_size pairs per micro-batch of each DP replica, every replica stepping alike"
+            )
+
+    def _is_filler(self, pack: dict) -> bool:
+        return bool(pack[PAIRS_KEY].filler)
+
     def _micro_batch_items(self, batch: dict) -> int:
-        """Pairs, counted by CP rank 0 of each group (its peers hold the same pack)."""
-        return batch[PAIRS_KEY].pairs if self.cp_coordinates.cp_rank == 0 else 0
+        """Pairs, counted by CP rank 0 of each group (its peers hold the same pack); none in a filler pack."""
+        pairs: PairBatch = batch[PAIRS_KEY]
+        return pairs.pairs if self.cp_coordinates.cp_rank == 0 and not pairs.filler else 0
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """This rank's share of the step's mean loss over pairs: Σ pack losses · dp_size / P (class docstring);
-        without `num_items_in_batch` (a direct call) the pack's mean."""
+        without `num_items_in_batch` (a direct call) the pack's mean. A filler pack's loss is exactly 0, through
+        the model (DDP and FSDP2 see every parameter), and adds nothing to the metrics."""
         if STEP_KWARG not in inputs or PAIRS_KEY not in inputs:
             raise ValueError(
                 f"{type(self).__name__}.compute_loss takes a CP step's local batch of packed pairs (training_step "
@@ -154,7 +232,9 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
         local = dict(inputs)
         pairs: PairBatch = local.pop(PAIRS_KEY)
         mode = "train" if self.model.training else "eval"
-        losses = self._pair_losses(model, local, pairs, mode, counted=True)
+        losses = self._pair_losses(model, local, pairs, mode, counted=not pairs.filler)
+        if pairs.filler:
+            losses = losses * 0.0
         if num_items_in_batch is None:
             loss = losses.sum() / max(pairs.pairs, 1)
         else:

@@ -26,7 +26,7 @@ from ...logprobs import per_document_sum
 from ...logprobs.fsdp import as_unit_output, fsdp_unit
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
-from .preference import PairMetrics, PreferenceCPMixin, ratio
+from .preference import PairMetrics, PreferenceCPMixin, check_batching, ratio
 from .setup import pack_size, pad_token_of, require_pair_columns, warn_if_unverified_trl
 
 REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
@@ -103,22 +103,27 @@ def sequence_rewards(model, local: dict, last_token: torch.Tensor) -> torch.Tens
 class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
     """`trl.RewardTrainer` whose packed pairs train and evaluate sharded over a CP group.
 
-    Arguments: those of `RewardTrainer` (as keywords; no `data_collator`), plus `cp_size`, `max_tokens`
-    (the pack size; default 2 * RewardConfig.max_length rounded up to a multiple of 2*cp_size),
-    `cp_config` and `cp_mesh`, as for `BlockdiagCPDPOTrainer`. `per_device_train_batch_size=1`.
+    Arguments: those of `RewardTrainer` (as keywords; no `data_collator`), plus `cp_size`, `batching`
+    ("pairs", the default: `RewardConfig.per_device_train_batch_size` pairs per micro-batch of each CP group,
+    as TRL batches them; "tokens": one pack of as many pairs as fit per micro-batch, with
+    per_device_train_batch_size=1), `max_tokens` (the pack size; default 2 * RewardConfig.max_length, times
+    per_device_train_batch_size with batching="pairs", rounded up to a multiple of 2*cp_size), `cp_config`
+    and `cp_mesh`, as for `BlockdiagCPDPOTrainer`.
     """
 
     def __init__(self, model, args: RewardConfig | None = None, data_collator=None, train_dataset=None,
-                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, max_tokens: int | None = None,
-                 cp_config=None, cp_mesh=None, **kwargs):
+                 eval_dataset=None, processing_class=None, *, cp_size: int = 1, batching: str = "pairs",
+                 max_tokens: int | None = None, cp_config=None, cp_mesh=None, **kwargs):
         warn_if_unverified_trl()
         if not isinstance(args, RewardConfig):
             raise ValueError(f"args must be a trl.RewardConfig; got {type(args).__name__}")
+        self.batching = check_batching(batching)
         self.pair_metrics = PairMetrics(REWARD_SUMS, REWARD_EXTREMES)
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, cp_size=cp_size,
-            max_tokens=pack_size(max_tokens, args.max_length, cp_size), pad_token_id=pad_token_of(processing_class),
+            max_tokens=pack_size(max_tokens, args.max_length, cp_size, self._default_pack_pairs(args), "RewardConfig"),
+            pad_token_id=pad_token_of(processing_class),
             cp_config=cp_config, cp_mesh=cp_mesh, **kwargs)
         score_module(self.model)
         classifier_pad_token_id(self.model)

@@ -17,14 +17,16 @@ from ..transformers import ATTN_IMPLEMENTATION
 logger = logging.getLogger(__name__)
 
 
-def pack_size(max_tokens: int | None, max_length: int | None, cp_size: int) -> int:
-    """`max_tokens`, or by default 2 * `max_length` (a whole pair at the longest) rounded up to a multiple of 2*cp_size."""
+def pack_size(max_tokens: int | None, max_length: int | None, cp_size: int, pairs: int = 1, config: str = "") -> int:
+    """`max_tokens`, or by default 2 * `pairs` * `max_length` (`pairs` whole pairs at the longest: a micro-batch in
+    one pack) rounded up to a multiple of 2*cp_size. `config`: the config's name, for the error."""
     if max_tokens is not None:
         return max_tokens
     if max_length is None:
-        raise ValueError("max_tokens is required when max_length is None: it is the pack size (a multiple of 2*cp_size)")
+        raise ValueError(f"max_tokens is required when {config + '.' if config else ''}max_length is None: it is the "
+                         "pack size (a multiple of 2*cp_size)")
     step = 2 * cp_size
-    return -(-2 * max_length // step) * step
+    return -(-2 * pairs * max_length // step) * step
 
 
 def column_names(dataset) -> set[str]:
