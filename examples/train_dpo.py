@@ -32,13 +32,14 @@ What goes where (the part a user copies):
 - model: `attn_implementation="blockdiag_cp"` (after `import hf_blockdiag_cp`); `ref_model`: here
   `copy.deepcopy(policy)` (the trainer runs a reference loaded with another attention on
   `blockdiag_cp` too; without one: a PEFT policy's disabled adapters, or `precompute_ref_log_probs=True`).
-- `DPOConfig`: `per_device_train_batch_size=1` (one pack per micro-batch),
-  `gradient_accumulation_steps` = packs per step / dp, `max_length` = TRL's per-sequence truncation,
+- `DPOConfig`: `per_device_train_batch_size=1` (one pack per micro-batch: `batching="tokens"`; the
+  trainer's default `batching="pairs"` takes `per_device_train_batch_size` pairs per micro-batch instead,
+  as TRL does), `gradient_accumulation_steps` = packs per step / dp, `max_length` = TRL's per-sequence truncation,
   `bf16` explicitly (TRL's default is True); never `parallelism_config` (accelerate's own CP) nor
   `use_liger_kernel`.
 - `BlockdiagCPDPOTrainer(model=..., ref_model=..., args=..., train_dataset=..., eval_dataset=...,
-  processing_class=tokenizer, cp_size=..., max_tokens=..., cp_config=CPConfig(attn_backend=...))`,
-  no `data_collator`.
+  processing_class=tokenizer, cp_size=..., batching="tokens", max_tokens=...,
+  cp_config=CPConfig(attn_backend=...))`, no `data_collator`.
 
 Writes, with `--output-dir DIR`: `DIR/metrics.json` (`losses` per optimizer step as the Trainer
 logged them, `trl`: TRL's metrics per step (`rewards/chosen`, `rewards/margins`,
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
             eval_dataset=eval_data,
             processing_class=tokenizer,
             cp_size=cp_size,
+            batching="tokens",  # one pack of --max-tokens per micro-batch, however many pairs it holds
             max_tokens=args.max_tokens,
             cp_config=cp_config_from_args(args),
         )

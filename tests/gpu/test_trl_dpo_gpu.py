@@ -76,7 +76,7 @@ def dpo_step_case(rank, world_size, group, seed: int, ours: bool, dtype: str):
         ref = reference_model(policy, scale=0.02, seed=seed + 1)
         policy, ref = (m.to(DEVICE, getattr(torch, dtype)) for m in (policy, ref))
         settings = checkpointing_settings(False) if ours else {}
-        args = dpo_config(out, len(rows), use_cpu=DEVICE == "cpu", per_device_train_batch_size=1 if ours else len(rows),
+        args = dpo_config(out, len(rows), use_cpu=DEVICE == "cpu", per_device_train_batch_size=len(rows),
                           ddp_backend="gloo" if world_size > 1 else None, max_length=2048, **settings)
         capture = GradCapture()
         kwargs = dict(model=policy, ref_model=ref, args=args, train_dataset=preference_dataset(rows),

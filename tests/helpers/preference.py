@@ -126,20 +126,21 @@ def preference_dataset(rows: list[dict]):
 
 
 def dpo_config(output_dir: str, pairs: int, **overrides):
-    """SGD, one optimizer step, fp32; the stock trainer takes every pair in one batch (its
-    per_device_train_batch_size is set by the caller)."""
+    """SGD, one optimizer step, fp32, `pairs` pairs per micro-batch: every pair of a test's rows in one batch,
+    for TRL's stock trainer and for ours (`batching="pairs"`, in as few packs as its max_tokens allows)."""
     from trl import DPOConfig
 
     settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "max_length": 1024, "gradient_checkpointing": False,
-                "per_device_eval_batch_size": pairs, "disable_dropout": True}
+                "per_device_train_batch_size": pairs, "per_device_eval_batch_size": pairs, "disable_dropout": True}
     return DPOConfig(**{**settings, **overrides})
 
 
 def reward_config(output_dir: str, pairs: int, **overrides):
+    """As `dpo_config`, for reward models."""
     from trl import RewardConfig
 
     settings = {**trainer_settings(output_dir, 1, 1), "bf16": False, "max_length": 1024, "gradient_checkpointing": False,
-                "per_device_eval_batch_size": pairs, "disable_dropout": True}
+                "per_device_train_batch_size": pairs, "per_device_eval_batch_size": pairs, "disable_dropout": True}
     return RewardConfig(**{**settings, **overrides})
 
 

@@ -100,7 +100,10 @@ def test_document_log_probs_under_fsdp2(gloo):
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None,
                                reason="needs the [trl] extra (trl, datasets)")
-TWO_PACKS = 436  # the long pair (434 tokens) fills one pack, the other pairs the other: one per dp replica
+# The long pair (434 tokens) fills one pack, the other pairs the other. The reward model trains a pack per dp
+# replica (batching="tokens"); DPO half the pairs per replica (batching="pairs"): the replica holding the long pair
+# runs two packs, the other one and a filler pack.
+TWO_PACKS = 436
 FSDP2 = {"fsdp": True, "fsdp_config": {"version": 2}}  # what a user gives TrainingArguments for FSDP2
 TRAINER_LAYOUTS = ("accelerate", "head", "root")  # accelerate's own wrapping, or the model sharded beforehand
 DPO_METRICS = ("entropy", "logits/chosen", "mean_token_accuracy", "rewards/chosen", "rewards/rejected",
@@ -141,7 +144,8 @@ def dpo_case(rank, world_size, group, layouts):
             ref, capture = preference.reference_model(policy), FullGradsBeforeStep()  # the reference before sharding
             trainer = quiet(BlockdiagCPDPOTrainer(
                 model=_sharded(policy, layout), ref_model=ref,
-                args=preference.dpo_config(out, len(rows), **FSDP2, **checkpointing_settings(False)),
+                args=preference.dpo_config(out, len(rows), per_device_train_batch_size=len(rows) // DP_SHARD, **FSDP2,
+                                           **checkpointing_settings(False)),
                 train_dataset=preference.preference_dataset(rows), processing_class=preference.char_tokenizer(),
                 cp_size=CP, max_tokens=TWO_PACKS, callbacks=[capture]))
             results[layout] = _trained(trainer, capture)
@@ -181,9 +185,9 @@ def reward_case(rank, world_size, group, layouts):
             capture = FullGradsBeforeStep()
             trainer = quiet(BlockdiagCPRewardTrainer(
                 model=_sharded(preference.reward_classifier("llama", "blockdiag_cp"), layout),
-                args=preference.reward_config(out, len(rows), **FSDP2),
+                args=preference.reward_config(out, len(rows), per_device_train_batch_size=1, **FSDP2),
                 train_dataset=preference.preference_dataset(rows), processing_class=preference.char_tokenizer(),
-                cp_size=CP, max_tokens=TWO_PACKS, callbacks=[capture]))
+                cp_size=CP, batching="tokens", max_tokens=TWO_PACKS, callbacks=[capture]))
             results[layout] = _trained(trainer, capture)
     return results
 

@@ -90,12 +90,12 @@ def packs_case(rank, world_size, group, family, cp_size, accumulation):
     rows = preference_rows(**ROWS)
     with accelerate_env(rank, world_size) as out:
         policy = policy_model(family, "blockdiag_cp")
-        args = dpo_config(out, len(rows), gradient_accumulation_steps=accumulation)
+        args = dpo_config(out, len(rows), gradient_accumulation_steps=accumulation, per_device_train_batch_size=1)
         capture = GradCapture()
         trainer = quiet(BlockdiagCPDPOTrainer(
             model=policy, ref_model=reference_model(policy), args=args, train_dataset=preference_dataset(rows),
             eval_dataset=preference_dataset(rows), processing_class=char_tokenizer(), cp_size=cp_size,
-            max_tokens=TWO_PACKS, callbacks=[capture]))
+            batching="tokens", max_tokens=TWO_PACKS, callbacks=[capture]))
         packs = len(trainer.get_train_dataloader())
         evaluated = trainer.evaluate()
         trainer.train()
@@ -104,7 +104,8 @@ def packs_case(rank, world_size, group, family, cp_size, accumulation):
 
 @pytest.mark.parametrize("world_size,cp_size,accumulation", [(2, 2, 2), (4, 2, 1)], ids=["dp1xcp2-accumulate", "dp2xcp2"])
 def test_dpo_over_several_packs_matches_trl(gloo, world_size, cp_size, accumulation):
-    """The pairs in two packs: one DP replica accumulating both, or one pack per replica. The step's loss
+    """`batching="tokens"`, the pairs in two packs: one DP replica accumulating both, or one pack per replica
+    (a micro-batch is a pack). The step's loss
     and gradient are the mean over every pair of the step (TRL's, for one batch of all pairs), each pair
     weighed once; evaluate() before training equals TRL's evaluate on one batch of all pairs."""
     family = "qwen3_5"

@@ -1,6 +1,7 @@
 """Bad input to the preference trainers raises one ValueError naming the field and what was expected,
 at construction, before any step: a pair longer than the pack, an empty completion, a prompt-only
-dataset, an unknown loss type, a reference model of another architecture or vocabulary."""
+dataset, an unknown loss type, a reference model of another architecture or vocabulary, a `batching`
+or batch setting that cannot give TRL's micro-batches."""
 
 from __future__ import annotations
 
@@ -21,20 +22,20 @@ def _dpo(rows, ref=None, policy=None, **options):
 
     with accelerate_env(0, 1) as out:
         policy = policy_model("llama", "blockdiag_cp") if policy is None else policy
-        max_tokens = options.pop("max_tokens", 1024)
+        max_tokens, batching = options.pop("max_tokens", 1024), options.pop("batching", "pairs")
         return BlockdiagCPDPOTrainer(model=policy, ref_model=reference_model(policy) if ref is None else ref,
                                      args=dpo_config(out, 1, **options), train_dataset=preference_dataset(rows),
-                                     processing_class=char_tokenizer(), max_tokens=max_tokens)
+                                     processing_class=char_tokenizer(), max_tokens=max_tokens, batching=batching)
 
 
 def _reward(rows, **options):
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPRewardTrainer
 
     with accelerate_env(0, 1) as out:
-        max_tokens = options.pop("max_tokens", 1024)
+        max_tokens, batching = options.pop("max_tokens", 1024), options.pop("batching", "pairs")
         return BlockdiagCPRewardTrainer(model=reward_classifier("llama", "blockdiag_cp"), args=reward_config(out, 1, **options),
                                         train_dataset=preference_dataset(rows), processing_class=char_tokenizer(),
-                                        max_tokens=max_tokens)
+                                        max_tokens=max_tokens, batching=batching)
 
 
 def test_pair_longer_than_the_pack():
@@ -43,6 +44,34 @@ def test_pair_longer_than_the_pack():
         _dpo(rows, max_tokens=64)
     with pytest.raises(ValueError, match=r"train dataset: pair 0 has \d+ tokens .*max_tokens=64"):
         _reward(rows, max_tokens=64)
+
+
+@pytest.mark.parametrize("trainer", [_dpo, _reward], ids=["dpo", "reward"])
+def test_batching_settings_are_named(trainer):
+    """`batching` itself, per_device_train_batch_size under "tokens", and under "pairs" the stock Trainer's
+    settings that would give TRL's step other pairs; too few pairs for one round with dataloader_drop_last."""
+    config = "DPOConfig" if trainer is _dpo else "RewardConfig"
+    rows = preference_rows(count=2)
+    with pytest.raises(ValueError, match=r"batching is 'pair'; expected 'pairs' \(.*\) or 'tokens'"):
+        trainer(rows, batching="pair")
+    with pytest.raises(ValueError, match=rf"{config}.per_device_train_batch_size is 2; expected 1: .*batching='pairs'"):
+        trainer(rows, batching="tokens", per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match=rf"{config}.train_sampling_strategy is 'group_by_length'; expected 'random' or "):
+        trainer(rows, train_sampling_strategy="group_by_length")
+    with pytest.raises(ValueError, match=rf"{config}.accelerator_config has split_batches=True, even_batches=True; "):
+        trainer(rows, accelerator_config={"split_batches": True})
+    few = trainer(rows, per_device_train_batch_size=3, dataloader_drop_last=True)
+    with pytest.raises(ValueError, match=rf"train_dataset's 2 pairs fill no round of {config}.per_device_train_batch_"
+                                         r"size=3 pairs on each of 1 DP replicas, and dataloader_drop_last=True"):
+        few.get_train_dataloader()
+
+
+@pytest.mark.parametrize("trainer", [_dpo, _reward], ids=["dpo", "reward"])
+def test_default_pack_holds_a_micro_batch(trainer):
+    """Without max_tokens: 2 * max_length per pair of a micro-batch with batching="pairs", one pair's with "tokens"."""
+    rows = preference_rows(count=2)
+    assert trainer(rows, max_tokens=None, max_length=100, per_device_train_batch_size=3).packing.max_tokens == 600
+    assert trainer(rows, max_tokens=None, max_length=100, batching="tokens").packing.max_tokens == 200
 
 
 def test_empty_completion_is_named():

@@ -1,0 +1,122 @@
+"""`batching="pairs"`: a step of the preference trainers holds the pairs TRL's step holds. On real gloo groups of
+world W, TRL's own `DPOTrainer` / `RewardTrainer` train the stock way (eager model, DDP over the W ranks,
+`per_device_train_batch_size=P`, `gradient_accumulation_steps=A`), then ours at cp 1 and 2 (dp = W / cp) with P
+pairs per micro-batch and A * cp accumulation steps: the same P * A * W pairs a step, each micro-batch of ours one
+of TRL's. Three steps, the same seed, pairs whose sequences are 10 to 201 tokens long, fp32: every step's loss and
+the pair metrics within 1e-5 relative (1e-7 absolute near 0), the final weights under SGD within 1e-6 of their norm.
+With a small `max_tokens` a micro-batch spans two packs and DP replicas of a round run filler packs.
+The order itself is checked against accelerate's dataloader in tests/unit/test_pair_batches.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+
+from helpers.preference import (  # noqa: E402
+    char_tokenizer, dpo_config, policy_model, preference_dataset, preference_rows, reference_model, reward_classifier,
+    reward_config,
+)
+from helpers.trainer import accelerate_env, quiet  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 3
+MAX_LENGTH = 256  # no sequence is truncated (the longest has 201 tokens)
+SMALL_PACK = 240  # the longest pair (226 tokens) fits; two pairs of a micro-batch often do not
+METRICS = {"dpo": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+                   "logps/rejected"),
+           "reward": ("accuracy", "margin", "mean_reward")}
+LEARNING_RATES = {"sgd": 0.5, "adamw_torch": 1e-3}
+STEP_TOL, ABS_TOL, WEIGHT_TOL = 1e-5, 1e-7, 1e-6
+
+
+def _rows(world_size: int) -> list[dict]:
+    """20 pairs at W = 2 (five rounds of two micro-batches: the third step holds one round, a short step) and 24
+    at W = 4; the first pair's chosen sequence is 201 tokens, the shortest sequence 10."""
+    return preference_rows(count=20 if world_size == 2 else 24, seed=5, long_chars=180)
+
+
+def _run(kind: str, ours: bool, out: str, rows: list[dict], optim: str, pairs: int, accumulation: int, **kwargs) -> dict:
+    """One training run of 3 steps: each step's log, the final weights, and (ours) the micro-batches' packs."""
+    from trl import DPOTrainer, RewardTrainer
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer, BlockdiagCPRewardTrainer
+
+    config = dpo_config if kind == "dpo" else reward_config
+    args = config(out, pairs, gradient_accumulation_steps=accumulation, max_steps=STEPS, max_length=MAX_LENGTH,
+                  optim=optim, learning_rate=LEARNING_RATES[optim])
+    attn = "blockdiag_cp" if ours else "eager"
+    common = dict(args=args, train_dataset=preference_dataset(rows), processing_class=char_tokenizer(), **kwargs)
+    if kind == "dpo":
+        policy = policy_model("llama", attn)
+        trainer = (BlockdiagCPDPOTrainer if ours else DPOTrainer)(model=policy, ref_model=reference_model(policy), **common)
+    else:
+        trainer = (BlockdiagCPRewardTrainer if ours else RewardTrainer)(model=reward_classifier("llama", attn), **common)
+    quiet(trainer).train()
+    result = {"logs": [h for h in trainer.state.log_history if "loss" in h],
+              "weights": {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}}
+    if ours:
+        micro_batches = trainer.get_train_dataloader().batch_sampler.micro_batches()
+        result["packs"] = [len({slot.pack for slot in slots}) for slots in micro_batches]
+        result["fillers"] = sum(slot.filler for slots in micro_batches for slot in slots)
+    return result
+
+
+def batching_case(rank, world_size, group, plans):
+    """`plans`: (kind, optimizer, stock (P, A), ours [(cp, P, A, max_tokens or None)]) each; TRL's run, then ours."""
+    rows = _rows(world_size)
+    results = []
+    for kind, optim, (pairs, accumulation), variants in plans:
+        with accelerate_env(rank, world_size) as out:
+            stock = _run(kind, False, out, rows, optim, pairs, accumulation)
+        ours = {}
+        for cp, p, a, max_tokens in variants:
+            with accelerate_env(rank, world_size) as out:
+                ours[cp, max_tokens] = _run(kind, True, out, rows, optim, p, a, cp_size=cp, max_tokens=max_tokens)
+        results.append((stock, ours))
+    return results
+
+
+def _close(got: float, want: float) -> bool:
+    return abs(got - want) <= STEP_TOL * abs(want) + ABS_TOL
+
+
+def _compare(got: dict, want: dict, kind: str, optim: str, what: str) -> None:
+    assert len(got["logs"]) == len(want["logs"]) == STEPS, f"{what}: {len(got['logs'])} steps, TRL {len(want['logs'])}"
+    for step, (g, w) in enumerate(zip(got["logs"], want["logs"]), start=1):
+        for name in ("loss",) + METRICS[kind]:
+            assert _close(g[name], w[name]), f"{what} step {step}: {name} {g[name]} vs TRL's {w[name]}"
+    if optim != "sgd":
+        return
+    for name, ref in want["weights"].items():
+        err = float((got["weights"][name] - ref).norm() / ref.norm().clamp_min(1e-12))
+        assert err <= WEIGHT_TOL, f"{what}: final {name} off by {err:.2e} of its norm"
+
+
+# world: (DPO's optimizer, the reward model's), TRL's (P, A), ours [(cp, P, A, max_tokens)]
+PLANS = {
+    2: [("dpo", "sgd", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)]),
+        ("reward", "adamw_torch", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)])],
+    4: [("dpo", "adamw_torch", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (2, 2, 2, SMALL_PACK)]),
+        ("reward", "sgd", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (1, 2, 1, SMALL_PACK)])],
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pairs_per_step_match_trl(gloo, world_size):
+    """W = 2: DPO with SGD and a reward model with AdamW; W = 4: DPO with AdamW and a reward model with SGD, each
+    also with micro-batches of two packs and filler packs (SMALL_PACK at cp 2 x dp 2 and at cp 1 x dp 4)."""
+    runs = gloo(world_size).run(batching_case, timeout=600, plans=PLANS[world_size])
+    for i, (kind, optim, _, variants) in enumerate(PLANS[world_size]):
+        for cp, _, _, max_tokens in variants:
+            what = f"{kind} {optim} W={world_size} cp={cp} max_tokens={max_tokens}"
+            if max_tokens is not None:  # over the replicas: micro-batches of two packs, and filler packs
+                packs = [run[i][1][cp, max_tokens]["packs"] for run in runs]
+                assert max(map(max, packs)) > 1, f"{what}: packs per micro-batch {packs}"
+                assert any(run[i][1][cp, max_tokens]["fillers"] for run in runs), f"{what}: no filler pack"
+            for rank, run in enumerate(runs):
+                stock, ours = run[i]
+                _compare(ours[cp, max_tokens], stock, kind, optim, f"{what} rank {rank}")
