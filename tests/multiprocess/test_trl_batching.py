@@ -3,7 +3,8 @@ world W, TRL's own `DPOTrainer` / `RewardTrainer` train the stock way (eager mod
 `per_device_train_batch_size=P`, `gradient_accumulation_steps=A`), then ours at cp 1 and 2 (dp = W / cp) with P
 pairs per micro-batch and A * cp accumulation steps: the same P * A * W pairs a step, each micro-batch of ours one
 of TRL's. Three steps, the same seed, pairs whose sequences are 10 to 201 tokens long, fp32: every step's loss and
-the pair metrics within 1e-5 relative (1e-7 absolute near 0), the final weights under SGD within 1e-6 of their norm.
+every metric TRL logs within 1e-5 relative (1e-7 absolute near 0), the final weights under SGD within 1e-6 of their
+norm (the token means and extreme rewards of a micro-batch round where our DP replicas are TRL's processes, cp 1).
 With a small `max_tokens` a micro-batch spans two packs and DP replicas of a round run filler packs.
 The order itself is checked against accelerate's dataloader in tests/unit/test_pair_batches.py.
 """
@@ -26,9 +27,14 @@ pytestmark = pytest.mark.multiprocess
 STEPS = 3
 MAX_LENGTH = 256  # no sequence is truncated (the longest has 201 tokens)
 SMALL_PACK = 240  # the longest pair (226 tokens) fits; two pairs of a micro-batch often do not
+# Every number TRL logs. Means over the pairs of a micro-batch round are equal at any cp (TRL's round of W processes
+# is cp rounds of ours, each of P * dp pairs); token means over a round and a round's extreme rewards are TRL's where
+# our DP replicas are TRL's processes (cp 1: then every round of ours is one of TRL's)
 METRICS = {"dpo": ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-                   "logps/rejected"),
-           "reward": ("accuracy", "margin", "mean_reward")}
+                   "logps/rejected", "num_tokens", "grad_norm"),
+           "reward": ("accuracy", "margin", "mean_reward", "num_tokens", "grad_norm")}
+ROUND_METRICS = {"dpo": ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy"),
+                 "reward": ("min_reward", "max_reward")}
 LEARNING_RATES = {"sgd": 0.5, "adamw_torch": 1e-3}
 STEP_TOL, ABS_TOL, WEIGHT_TOL = 1e-5, 1e-7, 1e-6
 
@@ -84,10 +90,12 @@ def _close(got: float, want: float) -> bool:
     return abs(got - want) <= STEP_TOL * abs(want) + ABS_TOL
 
 
-def _compare(got: dict, want: dict, kind: str, optim: str, what: str) -> None:
+def _compare(got: dict, want: dict, kind: str, optim: str, what: str, cp: int) -> None:
     assert len(got["logs"]) == len(want["logs"]) == STEPS, f"{what}: {len(got['logs'])} steps, TRL {len(want['logs'])}"
+    names = ("loss",) + METRICS[kind] + (ROUND_METRICS[kind] if cp == 1 else ())
     for step, (g, w) in enumerate(zip(got["logs"], want["logs"]), start=1):
-        for name in ("loss",) + METRICS[kind]:
+        assert not set(w) - set(g), f"{what} step {step}: TRL logs {sorted(set(w) - set(g))}, ours not"
+        for name in names:
             assert _close(g[name], w[name]), f"{what} step {step}: {name} {g[name]} vs TRL's {w[name]}"
     if optim != "sgd":
         return
@@ -100,7 +108,7 @@ def _compare(got: dict, want: dict, kind: str, optim: str, what: str) -> None:
 PLANS = {
     2: [("dpo", "sgd", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)]),
         ("reward", "adamw_torch", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)])],
-    4: [("dpo", "adamw_torch", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (2, 2, 2, SMALL_PACK)]),
+    4: [("dpo", "adamw_torch", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (2, 2, 2, SMALL_PACK), (1, 2, 1, SMALL_PACK)]),
         ("reward", "sgd", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (1, 2, 1, SMALL_PACK)])],
 }
 
@@ -108,7 +116,8 @@ PLANS = {
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pairs_per_step_match_trl(gloo, world_size):
     """W = 2: DPO with SGD and a reward model with AdamW; W = 4: DPO with AdamW and a reward model with SGD, each
-    also with micro-batches of two packs and filler packs (SMALL_PACK at cp 2 x dp 2 and at cp 1 x dp 4)."""
+    also with micro-batches of two packs and filler packs (SMALL_PACK at cp 1 x dp 4, where every metric is TRL's,
+    and for DPO also at cp 2 x dp 2)."""
     runs = gloo(world_size).run(batching_case, timeout=600, plans=PLANS[world_size])
     for i, (kind, optim, _, variants) in enumerate(PLANS[world_size]):
         for cp, _, _, max_tokens in variants:
@@ -119,4 +128,4 @@ def test_pairs_per_step_match_trl(gloo, world_size):
                 assert any(run[i][1][cp, max_tokens]["fillers"] for run in runs), f"{what}: no filler pack"
             for rank, run in enumerate(runs):
                 stock, ours = run[i]
-                _compare(ours[cp, max_tokens], stock, kind, optim, f"{what} rank {rank}")
+                _compare(ours[cp, max_tokens], stock, kind, optim, f"{what} rank {rank}", cp)

@@ -146,3 +146,18 @@ def test_every_pair_dropped_by_trl_names_max_length():
         _dpo(rows, max_length=8)
     with pytest.raises(ValueError, match=r"dropped all 2 pairs: .* longer than RewardConfig.max_length=8; raise max_length"):
         _reward(rows, max_length=8)
+
+
+def test_router_aux_loss_over_several_packs_is_refused():
+    """An MoE policy with TRL's router auxiliary loss on: a micro-batch of two packs cannot give TRL's one term of
+    the micro-batch (it is not a sum over packs); one pack per micro-batch trains."""
+    rows = preference_rows(count=4, long_chars=60)
+    policy = policy_model("qwen3_moe", "blockdiag_cp")
+    whole = _dpo(rows, policy=policy, per_device_train_batch_size=2, max_tokens=4096)
+    assert whole.aux_loss_enabled and len(whole.get_train_dataloader()) == 2  # two micro-batches of one pack
+    longest = max(whole._pair_lengths(whole.train_dataset))  # its micro-batch: two packs
+    small = _dpo(rows, policy=policy, per_device_train_batch_size=2, max_tokens=longest + longest % 2)
+    with pytest.raises(ValueError, match=r"a micro-batch of 2 packs with the MoE router auxiliary loss on "
+                                         r"\(router_aux_loss_coef=.*\): TRL's auxiliary loss is the whole micro-batch's"
+                                         r".*DPOConfig.per_device_train_batch_size=2 .*router_aux_loss_coef=0.0"):
+        small.get_train_dataloader()

@@ -26,12 +26,13 @@ import torch.distributed as dist
 from trl import DPOConfig, DPOTrainer
 
 from ...compat.trl import overrides, use_adapter
+from ...data.loader import micro_batch_packs
 from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
 from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..trainer.setup import check_same_weights, world_group
 from .dpo_loss import PairTerms, check_loss_types, pair_losses
-from .preference import PairMetrics, PreferenceCPMixin, check_batching, ratio
+from .preference import PairMetrics, PreferenceCPMixin, check_batching, row_mean
 from .setup import (
     is_peft, pack_size, pad_token_of, prepare_reference, require_pair_columns, warn_if_unverified_trl,
 )
@@ -210,6 +211,32 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             losses = losses + self.router_aux_loss_coef * aux
         return losses
 
+    def _train_loader(self):
+        """TRL's micro-batches (`PreferenceCPMixin`); refused up front where one spans several packs with the
+        router auxiliary loss on (`_check_aux_packs`)."""
+        loader = super()._train_loader()
+        if self.aux_loss_enabled and self.batching == "pairs":
+            self._check_aux_packs(max(len({s.pack for s in slots}) for slots in loader.batch_sampler.micro_batches()))
+        return loader
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.aux_loss_enabled:  # every DP replica of a round runs as many packs: all ranks raise alike
+            self._check_aux_packs(len(micro_batch_packs(inputs)))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def _check_aux_packs(self, packs: int) -> None:
+        """Refuse a micro-batch of several packs with the MoE router auxiliary loss on: TRL's term is the
+        micro-batch's `E * sum_e f_e * P_e`, not linear in the router statistics of its packs, and each pack
+        runs its own backward, so no sum of per-pack terms gives it."""
+        if packs > 1:
+            raise ValueError(
+                f"a micro-batch of {packs} packs with the MoE router auxiliary loss on (router_aux_loss_coef="
+                f"{self.router_aux_loss_coef}): TRL's auxiliary loss is the whole micro-batch's and is not a sum over "
+                f"packs; raise max_tokens={self.packing.max_tokens} so that DPOConfig.per_device_train_batch_size="
+                f"{self.args.per_device_train_batch_size} pairs fit one pack, lower per_device_train_batch_size, pass "
+                "batching='tokens', or set DPOConfig.router_aux_loss_coef=0.0"
+            )
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """The pairs' loss (`PreferenceCPMixin`), plus TRL's MoE term in training: `router_aux_loss_coef` times the
         pack's router auxiliary loss, over the accumulation steps (TRL's DPO loss of a micro-batch, which the
@@ -229,29 +256,35 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             chosen = self.beta * (terms.chosen - terms.ref_chosen)
             rejected = self.beta * (terms.rejected - terms.ref_rejected)
             stat = {name: value.view(-1, 2) for name, value in result.stat_sums.items()}
-            sums = {"pairs": torch.tensor(float(chosen.numel())), "rewards_chosen": chosen, "rewards_rejected": rejected,
+            sums = {"pairs": chosen.new_tensor(float(chosen.numel())), "rewards_chosen": chosen, "rewards_rejected": rejected,
                     "accuracies": (chosen > rejected).float(), "margins": chosen - rejected,
                     "logps_chosen": terms.chosen, "logps_rejected": terms.rejected, "entropy": stat["entropy"],
                     "targets": counts, "logits_chosen": stat["mean_logits"][:, 0], "targets_chosen": counts[:, 0],
                     "logits_rejected": stat["mean_logits"][:, 1], "targets_rejected": counts[:, 1],
-                    "top1_chosen": stat["is_top1"][:, 0], "aux_loss": torch.tensor(0.0 if aux is None else float(aux)),
-                    "aux_batches": torch.tensor(float(aux is not None))}
+                    "top1_chosen": stat["is_top1"][:, 0], "aux_loss": chosen.new_zeros(()) if aux is None else aux,
+                    "aux_batches": chosen.new_tensor(float(aux is not None))}
         self.pair_metrics.add(mode, sums, counted=counted)
 
-    def _finish_metrics(self, sums: dict[str, float], extremes) -> dict[str, float]:
-        pairs = sums["pairs"]
+    def _finish_metrics(self, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+        """TRL's per-micro-batch values (means over the round's pairs or completion tokens, the mean of its
+        processes' router auxiliary losses), averaged over the rounds."""
+        counted = rows["pairs"] > 0
+
+        def mean(name: str, over: str = "pairs") -> float:
+            return row_mean(rows[name], rows[over], counted)
+
         return {
-            "entropy": ratio(sums["entropy"], sums["targets"]),
-            "logits/chosen": ratio(sums["logits_chosen"], sums["targets_chosen"]),
-            "logits/rejected": ratio(sums["logits_rejected"], sums["targets_rejected"]),
-            "mean_token_accuracy": ratio(sums["top1_chosen"], sums["targets_chosen"]),
-            "rewards/chosen": ratio(sums["rewards_chosen"], pairs),
-            "rewards/rejected": ratio(sums["rewards_rejected"], pairs),
-            "rewards/accuracies": ratio(sums["accuracies"], pairs),
-            "rewards/margins": ratio(sums["margins"], pairs),
-            "logps/chosen": ratio(sums["logps_chosen"], pairs),
-            "logps/rejected": ratio(sums["logps_rejected"], pairs),
-            **({"aux_loss": ratio(sums["aux_loss"], sums["aux_batches"])} if self.aux_loss_enabled else {}),
+            "entropy": mean("entropy", "targets"),
+            "logits/chosen": mean("logits_chosen", "targets_chosen"),
+            "logits/rejected": mean("logits_rejected", "targets_rejected"),
+            "mean_token_accuracy": mean("top1_chosen", "targets_chosen"),
+            "rewards/chosen": mean("rewards_chosen"),
+            "rewards/rejected": mean("rewards_rejected"),
+            "rewards/accuracies": mean("accuracies"),
+            "rewards/margins": mean("margins"),
+            "logps/chosen": mean("logps_chosen"),
+            "logps/rejected": mean("logps_rejected"),
+            **({"aux_loss": mean("aux_loss", "aux_batches")} if self.aux_loss_enabled else {}),
         }
 
     def _prepare_eval_pairs(self, dataset, name: str):

@@ -11,8 +11,11 @@ peers of a DP replica) and replaces what is token-level there by pairs:
   rank of the CP group (it is built from per-document sums over the group); each rank's loss is
   `Σ pack losses · dp_size / P`, P the pairs of the optimizer step over every DP replica, so the
   mean over the ranks is TRL's mean over pairs, and so is the mean gradient (invariant I2);
-- TRL's metrics, as sums per pair (and per target for the token metrics) over every micro-batch
-  since the last log, reduced once when the trainer logs (`PairMetrics`);
+- TRL's metrics: sums per micro-batch (all its packs) on each rank, combined over the DP replicas per
+  micro-batch round and averaged over the rounds when the trainer logs, as TRL gathers each micro-batch's
+  values over its processes and averages them (`PairMetrics`; one collective per log); with
+  `batching="tokens"`, and in `evaluate`, one row holds every pair since the last log: TRL's metrics of
+  one micro-batch holding them all;
 - `evaluate`: the same losses and metrics over the eval pairs, forward only, sharded.
 """
 
@@ -47,44 +50,70 @@ def check_batching(batching) -> str:
 
 
 class PairMetrics:
-    """This rank's rows of metric sums since the last log, per mode: one row per micro-batch (a CP
-    group adds it on its CP rank 0 only: every rank of the group holds the same sums), `sums` columns
-    added over the world and the rows, `extremes` (per-row maxima, e.g. of -min and max rewards)
-    taken over the world per row and then averaged over the rows, as TRL averages its micro-batches."""
+    """This rank's rows of metric sums since the last log, per mode: one row per micro-batch (all its packs;
+    a CP group adds to it on its CP rank 0 only, every rank of the group holding the same sums; a filler pack
+    adds nothing), kept on the device. When the trainer logs, ONE all-gather combines row i of every rank,
+    the same micro-batch round of every DP replica (each replica runs as many micro-batches): `sums` columns
+    added, `extremes` columns (e.g. -min and max reward) maximised, as TRL gathers each micro-batch's values
+    over its processes; the trainer's `_finish_metrics` then averages per-row values over the rows, as TRL's
+    `log` averages its micro-batches."""
 
     def __init__(self, sums: tuple[str, ...], extremes: tuple[str, ...] = ()):
         self.sums, self.extremes = sums, extremes
-        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {mode: [] for mode in MODES}
+        self.rows: dict[str, list[torch.Tensor]] = {mode: [] for mode in MODES}
+        self.open: dict[str, torch.Tensor | None] = {mode: None for mode in MODES}
 
     def add(self, mode: str, sums: dict[str, torch.Tensor], extremes: dict[str, torch.Tensor] | None = None,
             counted: bool = True) -> None:
-        """One micro-batch; `counted=False` (another CP rank, or a pack that only fills an eval round)
-        adds a neutral row, as every rank must add one."""
-        row = torch.zeros(len(self.sums), dtype=torch.float64)
-        high = torch.full((len(self.extremes),), -torch.inf, dtype=torch.float64)
+        """One pack, into the open row of its micro-batch (`close` ends it); `counted=False` (another CP rank,
+        a filler pack, a pack that only fills an eval round) opens the row without adding to it."""
+        device = next((v.device for v in sums.values()), torch.device("cpu"))
+        width = len(self.sums) + len(self.extremes)
+        row = self.open[mode]
+        if row is None:
+            row = torch.cat([torch.zeros(len(self.sums), dtype=torch.float64, device=device),
+                             torch.full((len(self.extremes),), -torch.inf, dtype=torch.float64, device=device)])
         if counted:
-            row = torch.stack([sums[name].detach().double().sum().cpu() for name in self.sums])
-            if self.extremes:
-                high = torch.stack([extremes[name].detach().double().max().cpu() for name in self.extremes])
-        self.rows[mode].append((row, high))
+            added = [sums[name].detach().to(device, torch.float64).sum() for name in self.sums]
+            high = [extremes[name].detach().to(device, torch.float64).max() for name in self.extremes]
+            pack = torch.stack(added + high) if width else row
+            row = torch.cat([row[: len(self.sums)] + pack[: len(self.sums)],
+                             torch.maximum(row[len(self.sums):], pack[len(self.sums):])])
+        self.open[mode] = row
 
-    def pop(self, mode: str, world_size: int) -> tuple[dict[str, float], torch.Tensor] | None:
-        """(the sums over the world and the rows, the per-row world maxima averaged over the rows that
-        counted), or None without rows; collective when there are rows (every rank has as many)."""
+    def close(self, mode: str) -> None:
+        """End the open row of `mode` (its micro-batch is done); nothing without one."""
+        row, self.open[mode] = self.open[mode], None
+        if row is not None:
+            self.rows[mode].append(row)
+
+    def pop(self, mode: str, world_size: int) -> dict[str, torch.Tensor] | None:
+        """Per column, [R] over the micro-batch rounds since the last log: the sums over every rank, the
+        extremes' maxima over every rank; None without rows. A collective when there are rows (every rank
+        has as many): call it on every rank at the same log."""
+        self.close(mode)
         rows, self.rows[mode] = self.rows[mode], []
         if not rows:
             return None
-        sums = sum_over_world(torch.stack([r for r, _ in rows]), world_size)
-        highs = torch.stack([h for _, h in rows])
-        if self.extremes:
-            group = world_group(world_size)
-            if group is not None:
-                highs = highs.to(collective_device(group))
-                dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
-                highs = highs.cpu()
-        kept = torch.isfinite(highs).all(dim=1) if self.extremes else torch.zeros(0, dtype=torch.bool)
-        mean_high = highs[kept].mean(dim=0) if bool(kept.any()) else torch.full((len(self.extremes),), torch.nan)
-        return dict(zip(self.sums, sums.sum(dim=0).tolist())), mean_high
+        local = torch.stack(rows)
+        group = world_group(world_size)
+        if group is None:
+            gathered = local.cpu().unsqueeze(0)
+        else:
+            local = local.to(collective_device(group))
+            parts = [torch.empty_like(local) for _ in range(world_size)]
+            dist.all_gather(parts, local, group=group)  # the one collective of the log
+            gathered = torch.stack(parts).cpu()
+        count = len(self.sums)
+        columns = torch.cat([gathered[..., :count].sum(dim=0), gathered[..., count:].amax(dim=0)], dim=1)
+        return dict(zip(self.sums + self.extremes, columns.unbind(dim=1)))
+
+
+def row_mean(numerator: torch.Tensor, denominator: torch.Tensor, rows: torch.Tensor) -> float:
+    """TRL's average over its micro-batches of a per-micro-batch ratio: numerator / denominator per row (0 for an
+    empty denominator, as TRL logs an empty mean), averaged over the rows where `rows` is true (0.0 for none)."""
+    values = torch.where(denominator != 0, numerator / denominator.where(denominator != 0, 1.0), 0.0)[rows]
+    return float(values.mean()) if values.numel() else 0.0
 
 
 class PreferenceCPMixin(BlockdiagCPTrainerMixin):
@@ -220,6 +249,15 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
         pairs: PairBatch = batch[PAIRS_KEY]
         return pairs.pairs if self.cp_coordinates.cp_rank == 0 and not pairs.filler else 0
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The mixin's step over the micro-batch's packs. With `batching="pairs"` the micro-batch is TRL's and its
+        metrics row ends with it (`PairMetrics.close`); with `"tokens"` a pack holds however many pairs fit, so
+        the row stays open until the log: TRL's metrics of one micro-batch of every pair since the last log."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.batching == "pairs":
+            self.pair_metrics.close("train")
+        return loss
+
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """This rank's share of the step's mean loss over pairs: Σ pack losses · dp_size / P (class docstring);
         without `num_items_in_batch` (a direct call) the pack's mean. A filler pack's loss is exactly 0, through
@@ -245,7 +283,8 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Sharded evaluation: `{prefix}_loss` is the mean loss over every eval pair (TRL's, for a batch
-        holding them all), and TRL's metrics as `{prefix}_*`, each pair counted once."""
+        holding them all), and TRL's metrics as `{prefix}_*` of that one batch (one `PairMetrics` row), each
+        pair counted once."""
         dataset = self._eval_pairs(eval_dataset, metric_key_prefix)
         if isinstance(dataset, dict):
             metrics: dict[str, float] = {}
@@ -310,7 +349,8 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
 
     # ---------------------------------------------------------------- logging
 
-    def _finish_metrics(self, sums: dict[str, float], extremes: torch.Tensor) -> dict[str, float]:
+    def _finish_metrics(self, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+        """TRL's metrics from `PairMetrics.pop`'s per-round columns."""
         raise NotImplementedError
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -318,12 +358,8 @@ class PreferenceCPMixin(BlockdiagCPTrainerMixin):
         mode = "train" if self.model.training else "eval"
         popped = self.pair_metrics.pop(mode, self.cp_coordinates.world_size)
         if popped is not None:
-            metrics = self._finish_metrics(*popped)
+            metrics = self._finish_metrics(popped)
             metrics["num_tokens"] = float(self.cp_tokens_trained)
             logs.update({f"eval_{k}" if mode == "eval" else k: v for k, v in metrics.items()})
         super().log(logs, *args, **kwargs)
 
-
-def ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator, 0 for an empty denominator (as TRL logs an empty mean)."""
-    return numerator / denominator if denominator else 0.0

@@ -26,7 +26,7 @@ from ...logprobs import per_document_sum
 from ...logprobs.fsdp import as_unit_output, fsdp_unit
 from ...step import STEP_KWARG
 from ...step.model_support import configured_model
-from .preference import PairMetrics, PreferenceCPMixin, check_batching, ratio
+from .preference import PairMetrics, PreferenceCPMixin, check_batching, row_mean
 from .setup import pack_size, pad_token_of, require_pair_columns, warn_if_unverified_trl
 
 REWARD_SUMS = ("pairs", "rewards", "accuracy", "margin")
@@ -155,14 +155,19 @@ class BlockdiagCPRewardTrainer(PreferenceCPMixin, RewardTrainer):
         if self.args.center_rewards_coefficient is not None:
             losses = losses + self.args.center_rewards_coefficient * (chosen + rejected) ** 2
         with torch.no_grad():
-            sums = {"pairs": torch.tensor(float(pairs.pairs)), "rewards": rewards, "accuracy": (chosen > rejected).float(),
-                    "margin": chosen - rejected}
+            sums = {"pairs": rewards.new_tensor(float(pairs.pairs)), "rewards": rewards,
+                    "accuracy": (chosen > rejected).float(), "margin": chosen - rejected}
             extremes = {"neg_min_reward": -rewards.min(), "max_reward": rewards.max()}
         self.pair_metrics.add(mode, sums, extremes, counted=counted and self.cp_coordinates.cp_rank == 0)
         return losses
 
-    def _finish_metrics(self, sums: dict[str, float], extremes: torch.Tensor) -> dict[str, float]:
-        pairs = sums["pairs"]
-        return {"min_reward": -float(extremes[0]), "mean_reward": ratio(sums["rewards"], 2 * pairs),
-                "max_reward": float(extremes[1]), "accuracy": ratio(sums["accuracy"], pairs),
-                "margin": ratio(sums["margin"], pairs)}
+    def _finish_metrics(self, rows: dict[str, torch.Tensor]) -> dict[str, float]:
+        """TRL's per-micro-batch values (the round's rewards gathered: their min, mean and max; the mean accuracy
+        and margin of its pairs), averaged over the rounds."""
+        counted = rows["pairs"] > 0
+        one = torch.ones_like(rows["pairs"])
+        return {"min_reward": row_mean(-rows["neg_min_reward"], one, counted),
+                "mean_reward": row_mean(rows["rewards"], 2 * rows["pairs"], counted),
+                "max_reward": row_mean(rows["max_reward"], one, counted),
+                "accuracy": row_mean(rows["accuracy"], rows["pairs"], counted),
+                "margin": row_mean(rows["margin"], rows["pairs"], counted)}
