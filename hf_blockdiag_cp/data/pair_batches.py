@@ -164,7 +164,8 @@ class _SlotRows(torch.utils.data.Dataset):
 
 class MicroBatchCollator:
     """One micro-batch's packs: each through `pack_collator` (a `PairPackCollator`: `[(index, example)]` in, this
-    CP rank's shard with its `PairBatch` out), filler packs marked `PairBatch.filler`. One pack comes back as
+    CP rank's shard with its `PairBatch` out), filler packs marked `PairBatch.filler`, every pack's
+    `PairBatch.micro_batch` the totals of the micro-batch's real packs. One pack comes back as
     that pack; several as `{PACKS_KEY: [packs], "input_ids": [1, Σ L]}` (the packs' local token ids side by side,
     which the Trainer only counts)."""
 
@@ -182,6 +183,10 @@ class MicroBatchCollator:
                 pairs: PairBatch = local[PAIRS_KEY]
                 local[PAIRS_KEY] = replace(pairs, filler=True)
             packs.append(local)
+        real = [p[PAIRS_KEY].micro_batch for p in packs if not p[PAIRS_KEY].filler]
+        totals = (sum(n for n, _ in real), sum(t for _, t in real))
+        for local in packs:
+            local[PAIRS_KEY] = replace(local[PAIRS_KEY], micro_batch=totals)
         if len(packs) == 1:
             return packs[0]
         return {PACKS_KEY: packs, "input_ids": torch.cat([p["input_ids"] for p in packs], dim=1)}

@@ -98,6 +98,9 @@ class PairBatch:
     streams: per-position rows of this rank's shard, [1, L] (e.g. `last_token`, `target_weight`).
     filler: a pack that only gives its DP replica as many packs as the others in a round (`data.pair_batches`):
       its pairs weigh 0 in the loss, the pair counts and the metrics, but it still runs through the model.
+    micro_batch: (pairs, chosen targets) of the whole micro-batch the pack belongs to, filler packs aside (the
+      pack's own when it is the micro-batch): what a loss term that is a micro-batch mean needs before any of
+      its packs runs (a chosen target: a labelled token of a chosen sequence after its first token).
     """
 
     pairs: int
@@ -107,6 +110,7 @@ class PairBatch:
     values: dict = field(default_factory=dict)
     streams: dict = field(default_factory=dict)
     filler: bool = False
+    micro_batch: tuple[int, int] = (0, 0)
 
     def to(self, device, non_blocking: bool = False) -> "PairBatch":
         def move(t):
@@ -167,12 +171,13 @@ class PairPackCollator:
         self.classifier_pad_token_id = classifier_pad_token_id
 
     def __call__(self, items: list[tuple[int, dict]]) -> dict:
-        docs, completion, indices = [], [], []
+        docs, completion, indices, chosen_targets = [], [], [], 0
         for index, example in items:
             pair = self.sequences(example, index)
             for seq in pair:
                 labels = seq.ids if seq.completion is None else torch.where(seq.completion, seq.ids, IGNORE_INDEX)
                 docs.append({"input_ids": seq.ids, "labels": labels})
+            chosen_targets += int(docs[-2]["labels"][1:].ne(IGNORE_INDEX).sum())
             completion.append([int(s.ids.numel() if s.completion is None else s.completion.sum()) for s in pair])
             indices.append(index)
         full = self.packer.pack(docs)
@@ -185,7 +190,8 @@ class PairPackCollator:
             if all(name in example for _, example in items):
                 values[name] = torch.tensor([example[name] for _, example in items], dtype=torch.float32)
         pairs = PairBatch(len(items), torch.tensor(indices), torch.tensor(completion, dtype=torch.long),
-                          sum(d["input_ids"].numel() for d in docs), values, self._streams(docs, info))
+                          sum(d["input_ids"].numel() for d in docs), values, self._streams(docs, info),
+                          micro_batch=(len(items), chosen_targets))
         local[PAIRS_KEY] = pairs
         return local
 

@@ -5,7 +5,9 @@ pairs per micro-batch and A * cp accumulation steps: the same P * A * W pairs a 
 of TRL's. Three steps, the same seed, pairs whose sequences are 10 to 201 tokens long, fp32: every step's loss and
 every metric TRL logs within 1e-5 relative (1e-7 absolute near 0), the final weights under SGD within 1e-6 of their
 norm (the token means and extreme rewards of a micro-batch round where our DP replicas are TRL's processes, cp 1).
-With a small `max_tokens` a micro-batch spans two packs and DP replicas of a round run filler packs.
+With a small `max_tokens` a micro-batch spans two packs and DP replicas of a round run filler packs. DPO runs
+TRL's `loss_type=["sigmoid", "sft"]` (the `sft` term a mean over a micro-batch's chosen tokens, whichever packs
+hold them).
 The order itself is checked against accelerate's dataloader in tests/unit/test_pair_batches.py.
 """
 
@@ -45,15 +47,17 @@ def _rows(world_size: int) -> list[dict]:
     return preference_rows(count=20 if world_size == 2 else 24, seed=5, long_chars=180)
 
 
-def _run(kind: str, ours: bool, out: str, rows: list[dict], optim: str, pairs: int, accumulation: int, **kwargs) -> dict:
-    """One training run of 3 steps: each step's log, the final weights, and (ours) the micro-batches' packs."""
+def _run(kind: str, ours: bool, out: str, rows: list[dict], optim: str, pairs: int, accumulation: int,
+         options: dict, **kwargs) -> dict:
+    """One training run of 3 steps (`options`: more config settings): each step's log, the final weights, and
+    (ours) the micro-batches' packs."""
     from trl import DPOTrainer, RewardTrainer
 
     from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer, BlockdiagCPRewardTrainer
 
     config = dpo_config if kind == "dpo" else reward_config
     args = config(out, pairs, gradient_accumulation_steps=accumulation, max_steps=STEPS, max_length=MAX_LENGTH,
-                  optim=optim, learning_rate=LEARNING_RATES[optim])
+                  optim=optim, learning_rate=LEARNING_RATES[optim], **options)
     attn = "blockdiag_cp" if ours else "eager"
     common = dict(args=args, train_dataset=preference_dataset(rows), processing_class=char_tokenizer(), **kwargs)
     if kind == "dpo":
@@ -72,16 +76,18 @@ def _run(kind: str, ours: bool, out: str, rows: list[dict], optim: str, pairs: i
 
 
 def batching_case(rank, world_size, group, plans):
-    """`plans`: (kind, optimizer, stock (P, A), ours [(cp, P, A, max_tokens or None)]) each; TRL's run, then ours."""
+    """`plans`: (kind, optimizer, stock (P, A), ours [(cp, P, A, max_tokens or None)], config options) each; TRL's
+    run, then ours."""
     rows = _rows(world_size)
     results = []
-    for kind, optim, (pairs, accumulation), variants in plans:
+    for kind, optim, (pairs, accumulation), variants, options in plans:
         with accelerate_env(rank, world_size) as out:
-            stock = _run(kind, False, out, rows, optim, pairs, accumulation)
+            stock = _run(kind, False, out, rows, optim, pairs, accumulation, options)
         ours = {}
         for cp, p, a, max_tokens in variants:
             with accelerate_env(rank, world_size) as out:
-                ours[cp, max_tokens] = _run(kind, True, out, rows, optim, p, a, cp_size=cp, max_tokens=max_tokens)
+                ours[cp, max_tokens] = _run(kind, True, out, rows, optim, p, a, options, cp_size=cp,
+                                            max_tokens=max_tokens)
         results.append((stock, ours))
     return results
 
@@ -104,22 +110,23 @@ def _compare(got: dict, want: dict, kind: str, optim: str, what: str, cp: int) -
         assert err <= WEIGHT_TOL, f"{what}: final {name} off by {err:.2e} of its norm"
 
 
-# world: (DPO's optimizer, the reward model's), TRL's (P, A), ours [(cp, P, A, max_tokens)]
+SFT = {"loss_type": ["sigmoid", "sft"]}
+# world: (DPO, reward model) each (optimizer, TRL's (P, A), ours [(cp, P, A, max_tokens)], config options)
 PLANS = {
-    2: [("dpo", "sgd", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)]),
-        ("reward", "adamw_torch", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)])],
-    4: [("dpo", "adamw_torch", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (2, 2, 2, SMALL_PACK), (1, 2, 1, SMALL_PACK)]),
-        ("reward", "sgd", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (1, 2, 1, SMALL_PACK)])],
+    2: [("dpo", "adamw_torch", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)], SFT),
+        ("reward", "adamw_torch", (2, 2), [(1, 2, 2, None), (2, 2, 4, None)], {})],
+    4: [("dpo", "sgd", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (2, 2, 2, SMALL_PACK), (1, 2, 1, SMALL_PACK)], SFT),
+        ("reward", "sgd", (2, 1), [(1, 2, 1, None), (2, 2, 2, None), (1, 2, 1, SMALL_PACK)], {})],
 }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pairs_per_step_match_trl(gloo, world_size):
-    """W = 2: DPO with SGD and a reward model with AdamW; W = 4: DPO with AdamW and a reward model with SGD, each
+    """W = 2: DPO and a reward model with AdamW; W = 4: both with SGD, each
     also with micro-batches of two packs and filler packs (SMALL_PACK at cp 1 x dp 4, where every metric is TRL's,
     and for DPO also at cp 2 x dp 2)."""
     runs = gloo(world_size).run(batching_case, timeout=600, plans=PLANS[world_size])
-    for i, (kind, optim, _, variants) in enumerate(PLANS[world_size]):
+    for i, (kind, optim, _, variants, options) in enumerate(PLANS[world_size]):
         for cp, _, _, max_tokens in variants:
             what = f"{kind} {optim} W={world_size} cp={cp} max_tokens={max_tokens}"
             if max_tokens is not None:  # over the replicas: micro-batches of two packs, and filler packs

@@ -105,3 +105,23 @@ def test_sampler_errors_name_the_field():
         PairMicroBatchSampler([10], 0, 64)
     with pytest.raises(ValueError, match="pair 1 has 80 tokens .*more than max_tokens=64"):
         PairMicroBatchSampler([10, 80], 2, 64)
+
+
+def test_every_pack_carries_its_micro_batch_totals():
+    """Each pack of a micro-batch (filler included) carries the pairs and chosen targets of the micro-batch's real
+    packs (what TRL's `sft` mean divides by); a lone pack its own."""
+    from hf_blockdiag_cp.data.pairs import PromptCompletionPairs
+
+    rows = [{"prompt_ids": [5, 6], "chosen_ids": [1] * c, "rejected_ids": [2] * 3} for c in (25, 20, 1)]
+    collate = MicroBatchCollator(PairPackCollator(PromptCompletionPairs(), 48, 0, 1, 0))
+    lengths = [2 * 2 + c + 3 for c in (25, 20, 1)]
+    theirs = PairMicroBatchSampler(lengths, 2, 48, dp_size=2, dp_rank=1, seed=0, shuffle=False).micro_batches()[0]
+    mine = PairMicroBatchSampler(lengths, 2, 48, dp_size=2, dp_rank=0, seed=0, shuffle=False).micro_batches()[0]
+    for slots in (mine, theirs):  # [0, 1]: two packs; [2, 0]: one pack and a filler
+        batch = collate([(slot, rows[slot.index]) for slot in slots])
+        real = sorted({s.index for s in slots if not s.filler})
+        want = (len(real), sum(len(rows[i]["chosen_ids"]) for i in real))  # every completion token has a target
+        assert [p[PAIRS_KEY].micro_batch for p in batch[PACKS_KEY]] == [want, want]
+    lone = MicroBatchCollator(PairPackCollator(PromptCompletionPairs(), 64, 0, 1, 0))
+    single = lone([(slot, rows[slot.index]) for slot in PairMicroBatchSampler(lengths[:2], 2, 64, seed=0).micro_batches()[0]])
+    assert PACKS_KEY not in single and single[PAIRS_KEY].micro_batch == (2, 45)

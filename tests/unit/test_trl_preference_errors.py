@@ -161,3 +161,18 @@ def test_router_aux_loss_over_several_packs_is_refused():
                                          r"\(router_aux_loss_coef=.*\): TRL's auxiliary loss is the whole micro-batch's"
                                          r".*DPOConfig.per_device_train_batch_size=2 .*router_aux_loss_coef=0.0"):
         small.get_train_dataloader()
+
+
+@pytest.mark.parametrize("loss_type,weighting", [(["aot"], False), (["aot_unpaired"], False), (["sigmoid", "sft"], True)])
+def test_micro_batch_wide_loss_needs_one_pack(loss_type, weighting):
+    """The `aot` sorts and WPO's `sft` run over TRL's whole micro-batch: a max_tokens below the two longest pairs
+    (per_device_train_batch_size=2) is refused, naming the loss type; one that holds them builds."""
+    rows = preference_rows(count=4, long_chars=60)
+    trainer = _dpo(rows)
+    lengths = sorted(trainer._pair_lengths(trainer.train_dataset), reverse=True)
+    need = lengths[0] + lengths[1]
+    options = dict(loss_type=loss_type, use_weighting=weighting, per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match=rf"DPOConfig.loss_type holds \[{loss_type[-1]!r}\], computed over TRL's whole "
+                                         rf"micro-batch.* hold {need} tokens, more than max_tokens={lengths[0] + 2}"):
+        _dpo(rows, max_tokens=lengths[0] + 2, **options)
+    _dpo(rows, max_tokens=need + need % 2, **options)

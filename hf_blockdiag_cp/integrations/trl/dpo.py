@@ -31,7 +31,7 @@ from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
 from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
 from ..trainer.setup import check_same_weights, world_group
-from .dpo_loss import PairTerms, check_loss_types, pair_losses
+from .dpo_loss import PairTerms, check_loss_types, micro_batch_losses, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, check_batching, row_mean
 from .setup import (
     is_peft, pack_size, pad_token_of, prepare_reference, require_pair_columns, warn_if_unverified_trl,
@@ -89,8 +89,25 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             prepare_reference(self.model, self.ref_model)
             check_same_weights({"ref_model": self.ref_model}, self.args.world_size)
         self._check_pairs()
+        self._check_micro_batch_losses()
         for name in self._pending_reference:  # TRL asked for them during its __init__, before the CP setup
             self._store_reference(name)
+
+    def _check_micro_batch_losses(self) -> None:
+        """With batching="pairs", a loss type over the whole micro-batch (`micro_batch_losses`) needs every
+        micro-batch in one pack: the train dataset's per_device_train_batch_size longest pairs must fit max_tokens."""
+        losses = micro_batch_losses(self.args)
+        if self.batching != "pairs" or not losses:
+            return
+        size = self.args.per_device_train_batch_size
+        longest = sum(sorted(self._pair_lengths(self.train_dataset), reverse=True)[:size])
+        if longest > self.packing.max_tokens:
+            raise ValueError(
+                f"DPOConfig.loss_type holds {losses}, computed over TRL's whole micro-batch, so each micro-batch must "
+                f"run as one pack; the {size} longest pairs (per_device_train_batch_size) hold {longest} tokens, more "
+                f"than max_tokens={self.packing.max_tokens}: raise max_tokens to at least {longest} (a multiple of "
+                "2*cp_size) or lower per_device_train_batch_size"
+            )
 
     # ---------------------------------------------------------------- data
 
@@ -202,7 +219,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
         tokens = pairs.completion_tokens.to(policy.device).float()
         terms = PairTerms(policy[:, 0], policy[:, 1], ref[:, 0].to(policy.dtype), ref[:, 1].to(policy.dtype),
                           tokens[:, 0], tokens[:, 1], result.sums.view(pairs.pairs, 2)[:, 0].sum(),
-                          counts[:, 0].sum(), weights)
+                          *pairs.micro_batch, weights)
         losses = pair_losses(self.args, terms)
         self._add_metrics(mode, terms, result, counts, counted and self.cp_coordinates.cp_rank == 0, aux)
         if aux is not None and mode == "train":

@@ -3,8 +3,10 @@ batch, here from the per-document log-probs of a pack (`logprobs.document_log_pr
 
 Every `loss_type` of TRL 1.16 needs only per-sequence sums and counts, so each has a row here; the
 formulas follow TRL's (its f-divergence scores, `loss_weights`, WPO weighting), and
-`tests/multiprocess/test_trl_dpo.py` holds them to TRL's own trainer. TRL computes the `sft` term
-and the `aot` sorts over its micro-batch; here the micro-batch is the pack (one pack per step).
+`tests/multiprocess/test_trl_dpo.py` holds them to TRL's own trainer. TRL's `sft` term is a mean over
+the chosen targets of its micro-batch: each pack adds its share of the micro-batch's (`PairBatch.micro_batch`),
+so the micro-batch's packs together give TRL's term. The `aot` sorts run over the pack, which must then
+hold the whole micro-batch (the DPO trainer checks it).
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"
 class PairTerms:
     """Per pair ([P]): the policy's and the reference's summed completion log-probs (LD-DPO-weighted
     when `ld_alpha` is set), the completion tokens of each sequence (TRL's `completion_mask` sums),
-    the chosen sequences' unweighted log-prob sum and target count over the whole pack (the `sft`
-    term), and the WPO weights (None without `use_weighting`)."""
+    the chosen sequences' unweighted log-prob sum over the pack, the pairs and the chosen targets of
+    the micro-batch the pack belongs to (the `sft` term), and the WPO weights (None without `use_weighting`)."""
 
     chosen: torch.Tensor
     rejected: torch.Tensor
@@ -34,8 +36,15 @@ class PairTerms:
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
     sft_log_prob_sum: torch.Tensor
-    sft_targets: torch.Tensor
+    sft_pairs: int
+    sft_targets: int
     weights: torch.Tensor | None = None
+
+
+def micro_batch_losses(args) -> list[str]:
+    """The loss types of `args` that need TRL's whole micro-batch in one pack: the `aot` sorts run over their
+    batch, and `sft` with WPO weights is the micro-batch's mean times each pair's weight."""
+    return [t for t in args.loss_type if t in ("aot", "aot_unpaired") or (t == "sft" and args.use_weighting)]
 
 
 def check_loss_types(args) -> None:
@@ -109,8 +118,9 @@ def _one_loss(args, loss_type: str, t: PairTerms, chosen_lr, rejected_lr, chosen
         logits = delta * beta
         modulation = torch.sigmoid(logits / args.discopop_tau)
         return -F.logsigmoid(logits) * (1 - modulation) + torch.exp(-logits) * modulation
-    if loss_type == "sft":
-        return (-t.sft_log_prob_sum / t.sft_targets.clamp(min=1)).expand(t.chosen.shape[0])
+    if loss_type == "sft":  # the pack's share of TRL's micro-batch mean, as much on each of its pairs
+        share = t.sft_pairs / (t.chosen.shape[0] * max(t.sft_targets, 1))
+        return (-t.sft_log_prob_sum * share).expand(t.chosen.shape[0])
     raise ValueError(f"DPOConfig.loss_type {loss_type!r} is not one of {LOSS_TYPES}")
 
 
