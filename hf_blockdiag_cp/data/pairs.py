@@ -94,7 +94,8 @@ class PairBatch:
     indices: [P] the dataset rows of the pairs.
     completion_tokens: [P, 2] the completion tokens of each sequence after truncation.
     tokens: the real tokens of the pack.
-    values: per-pair columns of the dataset named in `pair_columns` (e.g. reference log-probs, margins), [P, ...].
+    values: per-pair columns of the dataset named in `pair_columns` (e.g. reference log-probs, margins), [P, ...],
+      float64 as the dataset holds them (precomputed reference sums are float64 like the live ones).
     streams: per-position rows of this rank's shard, [1, L] (e.g. `last_token`, `target_weight`).
     filler: a pack that only gives its DP replica as many packs as the others in a round (`data.pair_batches`):
       its pairs weigh 0 in the loss, the pair counts and the metrics, but it still runs through the model.
@@ -188,7 +189,7 @@ class PairPackCollator:
         values = {}
         for name in self.pair_columns:
             if all(name in example for _, example in items):
-                values[name] = torch.tensor([example[name] for _, example in items], dtype=torch.float32)
+                values[name] = torch.tensor([example[name] for _, example in items], dtype=torch.float64)
         pairs = PairBatch(len(items), torch.tensor(indices), torch.tensor(completion, dtype=torch.long),
                           sum(d["input_ids"].numel() for d in docs), values, self._streams(docs, info),
                           micro_batch=(len(items), chosen_targets))
