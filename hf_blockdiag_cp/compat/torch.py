@@ -55,3 +55,15 @@ def flatten_mesh(mesh, name: str):
 def unflatten_mesh(mesh, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]):
     """Dimension `dim` of `mesh` split into `sizes` named `names`, on the same root: `DeviceMesh._unflatten`."""
     return mesh._unflatten(dim, sizes, names)
+
+
+def compile_available(device: torch.device) -> bool:
+    """Whether torch.compile's default backend can build kernels for `device`: dynamo supported here
+    (`torch._dynamo.is_dynamo_supported`) and, on CUDA, Triton importable (`torch.utils._triton.has_triton`)."""
+    if not torch._dynamo.is_dynamo_supported():
+        return False
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return True

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from ..compat.torch import compile_available
 from ..config import HEAD_TILES as TILE_MODES
 
 
@@ -54,18 +55,6 @@ def tile_backward(raw: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g
     g.mul_(grad[:, None].float())
     g = transform.backward(raw32, g)
     return g.to(raw.dtype), (g.sum(0) if bias_grad else None)
-
-
-def compile_available(device: torch.device) -> bool:
-    """Whether torch.compile's default backend can build these functions' kernels for `device`:
-    dynamo supported here and, on CUDA, Triton importable."""
-    if not torch._dynamo.is_dynamo_supported():
-        return False
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    return True
 
 
 @functools.cache
