@@ -70,7 +70,7 @@ class CPConfig:
     head_tiles: how the chunked log-prob head (`logprobs`: DPO, reward, RL) runs each tile's softmax
       math: `eager` (default: op by op), `auto` (through torch.compile on CUDA where it and Triton
       are available, else eagerly) or `compiled` (any device). The same numbers up to reduction
-      order (`logprobs.tiles`); the compiled tiles are tested on CPU, not yet on a GPU.
+      order (`logprobs.tiles`); the compiled tiles are verified on CPU only.
     Spellings are normalised on construction; an unknown one raises ValueError listing the
     accepted names.
     """
