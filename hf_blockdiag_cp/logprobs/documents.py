@@ -77,8 +77,10 @@ def _pack_documents(local: dict, step) -> int:
     return int(local["document_ids"].max())
 
 
-def _targets(local: dict, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(target mask [L], scored positions [N], their targets [N]) of the shard; raise for a target outside the vocabulary."""
+def _targets(local: dict, vocab: int, step=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(target mask [L], scored positions [N], their targets [N]) of the shard; raise for a target outside the
+    vocabulary. With the step's `StepTargets` for these labels, the positions and the range come from the host
+    (no read of the device's labels)."""
     for key in ("shift_labels", "document_ids"):
         if not isinstance(local.get(key), torch.Tensor):
             raise ValueError(
@@ -90,14 +92,20 @@ def _targets(local: dict, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch
         raise ValueError(f"local['document_ids'] has {local['document_ids'].numel()} positions; expected "
                          f"{labels.numel()} (those of shift_labels)")
     mask = labels != IGNORE_INDEX
-    rows = mask.nonzero().squeeze(1)
-    targets = labels.index_select(0, rows)
-    if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
+    known = getattr(step, "targets", None)
+    if known is not None and known.describe(local["shift_labels"]):
+        rows, low, high = known.rows, known.low, known.high
+    else:  # one read of the device's labels for the positions, one for the range check
+        rows, low, high = mask.nonzero().squeeze(1), None, None
+        targets = labels.index_select(0, rows)
+        if targets.numel() and bool(((targets < 0) | (targets >= vocab)).any()):
+            low, high = int(targets.min()), int(targets.max())
+    if low is not None and (low < 0 or high >= vocab):
         raise ValueError(
             f"local['shift_labels'] holds targets outside the vocabulary [0, {vocab}) (or negative ones other than "
-            f"{IGNORE_INDEX}): values {targets.min().item()}..{targets.max().item()}"
+            f"{IGNORE_INDEX}): values {low}..{high}"
         )
-    return mask, rows, targets
+    return mask, rows, labels.index_select(0, rows)
 
 
 def shard_log_probs(
@@ -113,7 +121,7 @@ def shard_log_probs(
     Per token only: `document_log_probs` adds the per-document sums over the CP group. The head runs its
     tiles as the step's `CPConfig.head_tiles` says (the process default's without a step)."""
     head = output_embedding(model)
-    mask, rows, targets = _targets(local, head.weight.shape[0])
+    mask, rows, targets = _targets(local, head.weight.shape[0], local.get(STEP_KWARG))
     config = getattr(configured_model(model), "config", None)
     transform = LogitTransform.of_config(config, temperature) if config is not None else LogitTransform(temperature=temperature)
     step = local.get(STEP_KWARG)

@@ -35,7 +35,7 @@ from ..planning import (
 from .model_support import input_embedding_rows, prepare_model
 from .shard import SHARD_KEY, PackFingerprint, check_token_ids, shard_batch
 from .state import STEP_KWARG, BlockdiagCpModelState, CPStep, DevicePlan, StepOverlap
-from .targets import check_pack_targets
+from .targets import StepTargets, check_pack_targets
 
 logger = logging.getLogger(__name__)
 
@@ -239,5 +239,6 @@ def make_cp_blockdiag_batch_and_ctx(
     step.requested_kv_exchange, step.model = config.kv_exchange, model
     step.mixer_backend, step.mixer_transport = config.mixer_backend, config.mixer_transport
     step.head_tiles = config.head_tiles
+    step.targets = StepTargets.build(info.targets, local.get("shift_labels"), local["position_ids"].device)
     local[STEP_KWARG] = step
     return step.activate, local, layout

@@ -30,6 +30,7 @@ from ..planning import (
     validate_document_ids,
 )
 from ..planning.segments import padding_before_a_token, validate_padding_at_end
+from .targets import HostTargets
 
 IGNORE_INDEX = -100
 logger = logging.getLogger(__name__)
@@ -245,23 +246,25 @@ class ShardInfo:
     cp_rank: int
     cp_size: int
     token_ids: tuple[int, int] | None = None  # (smallest, largest) id of the padded pack's input_ids; None: inputs_embeds
+    targets: HostTargets | None = None  # where the shard has targets (host), with labels
 
 
 def _local_labels(labels: torch.Tensor, loss_mask: torch.Tensor | None, layout: Layout, slots: torch.Tensor,
-                  device: torch.device) -> tuple[dict[str, Any], int]:
-    """The rank's label keys and the pack's target count N: labels masked by `loss_mask`, shifted on
-    the global padded pack (`shifted_labels`), then sliced to the rank's `slots`."""
+                  device: torch.device) -> tuple[dict[str, Any], int, HostTargets]:
+    """The rank's label keys, the pack's target count N and the shard's targets on the host: labels masked
+    by `loss_mask`, shifted on the global padded pack (`shifted_labels`), then sliced to the rank's `slots`."""
     lab = labels.reshape(-1).long().cpu()
     if loss_mask is not None:
         lab = torch.where(loss_mask.reshape(-1).cpu().bool(), lab, torch.full_like(lab, IGNORE_INDEX))
     shifted = shifted_labels(_pad_seq(lab, layout.padded_seq_len, IGNORE_INDEX, dim=0), layout.document_ids)
     global_targets = int((shifted != IGNORE_INDEX).sum())
-    local_shifted = shifted[slots].unsqueeze(0).to(device)
+    host_shifted = shifted[slots]
+    local_shifted = host_shifted.unsqueeze(0).to(device)
     local = {"labels": local_shifted, "shift_labels": local_shifted, "loss_mask": local_shifted != IGNORE_INDEX,
              # I2: each rank's loss is (sum of its token losses) * G / N, so the mean over CP ranks is the non-CP loss.
              # A 0-d tensor, as the Trainer passes it: a Python number would be a constant in compiled graphs.
              "num_items_in_batch": torch.tensor(max(global_targets, 1) / layout.cp_size, dtype=torch.float32, device=device)}
-    return local, global_targets
+    return local, global_targets, HostTargets.of(host_shifted, IGNORE_INDEX)
 
 
 def local_rows(values: torch.Tensor, info: ShardInfo, fill=0) -> torch.Tensor:
@@ -372,9 +375,9 @@ def shard_batch(
     local["position_ids"] = take(padded_pos, padded_pos.ndim - 1) if shard_primary else padded_pos
     local["document_ids"] = padded_ids[slots].unsqueeze(0).to(device)
 
-    global_targets = 0
+    global_targets, targets = 0, None
     if labels is not None:
-        label_keys, global_targets = _local_labels(labels, loss_mask, layout, slots, device)
+        label_keys, global_targets, targets = _local_labels(labels, loss_mask, layout, slots, device)
         local.update(label_keys)
     local["use_cache"] = False
     primary_sum = primary.shape[-1] if host_ids is None else checksum(host_ids)
@@ -383,5 +386,5 @@ def shard_batch(
     fingerprint = PackFingerprint(
         s_pad, seq_len, checksum(padded_ids), primary_sum, global_targets, checksum(layout.slot_positions)
     )
-    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size, token_ids)
+    local[SHARD_KEY] = ShardInfo(layout, fingerprint, cp_rank, cp_size, token_ids, targets)
     return local

@@ -28,6 +28,7 @@ from ..compat.transformers import attn_implementation as config_attn_implementat
 from ..kernels.attention.lse import merge_into
 from ..planning import ExchangePlan, Layout, OverlapPlan, QueryPart, RankPlan, key_row_levels
 from .model_support import configured_model
+from .targets import StepTargets
 
 STEP_KWARG = "blockdiag_cp_step"
 ATTN_IMPLEMENTATION = "blockdiag_cp"  # the attention implementation that runs a step (registered by integrations)
@@ -281,6 +282,7 @@ class CPStep:
     mixer_transport: str = "auto"  # how they cross the group (CPConfig.mixer_transport)
     head_tiles: str = "eager"  # how the log-prob head runs its tiles (CPConfig.head_tiles)
     attention_free: bool = False  # set by the token mixers of a model without attention layers (Mamba2)
+    targets: StepTargets | None = None  # the shard's target rows on the device (the log-prob head's), with labels
 
     @contextlib.contextmanager
     def activate(self):

@@ -447,14 +447,37 @@ def test_local_batch_without_labels_is_refused():
         document_log_probs(model, local)
 
 
-@pytest.mark.parametrize("bad", [101, 5000, -3])  # vocab is 101; -3 is negative but not -100
-def test_target_outside_the_vocabulary_is_refused(bad):
+def test_step_holds_the_shard_targets_of_its_labels():
+    """The step's host copy of the shard's targets (what the head scores without reading the labels back
+    from the device) is where the local labels have targets, and their range."""
     _, model = build_models("llama")
     _, _, batch = masked_pack()
+    _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
+    labels, known = local["shift_labels"], local["blockdiag_cp_step"].targets
+    rows = (labels[0] != -100).nonzero().squeeze(1)
+    assert rows.numel() > 0 and torch.equal(known.rows, rows) and known.describe(labels)
+    assert (known.low, known.high) == (int(labels[0, rows].min()), int(labels[0, rows].max()))
+    labels[0, 0] = 7
+    assert not known.describe(labels) and not known.describe(labels.clone())
+
+
+@pytest.mark.parametrize("where", ["batch", "replaced", "in place"])
+@pytest.mark.parametrize("bad", [101, 5000, -3])  # vocab is 101; -3 is negative but not -100
+def test_target_outside_the_vocabulary_is_refused(bad, where):
+    """In the pack (the step's host copy of the targets holds it), or in the local labels replaced or edited in
+    place after the step (the host copy no longer describes them: they are read anew)."""
+    _, model = build_models("llama")
+    _, _, batch = masked_pack()
+    if where == "batch":  # cp = 1: shard position p's target is the pack's label p + 1
+        _, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
+        batch["labels"][0, int((local["shift_labels"][0] != -100).nonzero()[0]) + 1] = bad
     train_ctx, local, _ = bdcp.make_cp_blockdiag_batch_and_ctx(None, None, batch, model=model)
-    labels = local["shift_labels"].clone()
-    labels[0, 4] = bad
-    local["shift_labels"] = labels
+    if where == "replaced":
+        labels = local["shift_labels"].clone()
+        labels[0, 4] = bad
+        local["shift_labels"] = labels
+    elif where == "in place":
+        local["shift_labels"][0, 4] = bad
     message = r"local\['shift_labels'\].*outside the vocabulary \[0, 101\)"
     with pytest.raises(ValueError, match=message), train_ctx():
         document_log_probs(model, local)
