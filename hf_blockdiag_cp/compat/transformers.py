@@ -61,6 +61,14 @@ def trainer_reads_loss_scaling_flag() -> bool:
 TP_MIN_TRANSFORMERS = "5.23.0"
 
 
+def causal_lm_loss() -> Callable:
+    """Transformers' stock causal-LM loss, `loss.loss_utils.ForCausalLMLoss`: what a causal LM's
+    `loss_function` is unless its config names another `loss_type` or the loss was replaced."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
+
+
 def tensor_parallel_supported() -> bool:
     """Whether the installed Transformers has what `expanded_tp_plan` and `apply_tensor_parallel` call."""
     import transformers

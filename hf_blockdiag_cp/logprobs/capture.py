@@ -31,6 +31,10 @@ _ACTIVE: "HeadRequest | None" = None
 _HOOK_ATTR = "_blockdiag_cp_log_prob_hook"
 
 
+class UnknownLogitTransform(NotImplementedError):
+    """The model's logits for the probe rows are not the head's `LogitTransform` of them (module docstring)."""
+
+
 @dataclass(eq=False)
 class HeadRequest:
     """One call's targets and options; filled by the hook with the per-token results."""
@@ -156,7 +160,7 @@ def _check_transform(outputs, request: HeadRequest, dtype: torch.dtype) -> None:
     tolerance = (1e-4 if dtype == torch.float32 else 3e-2) * (1.0 + want.abs().max().item())
     error = (got - want).abs().max().item()
     if error > tolerance:
-        raise NotImplementedError(
+        raise UnknownLogitTransform(
             f"blockdiag_cp log-probs: the model transforms its logits in a way the log-prob head does not know (the head "
             f"applies {request.transform}; the model's logits differ by {error:.3g} on probe rows). Supported: a scale "
             "(logit_scale, logits_scaling, lm_head_multiplier) and final_logit_softcapping"

@@ -110,6 +110,18 @@ def counting_attention():
         AttentionInterface.register("blockdiag_cp", blockdiag_cp_attention_forward)
 
 
+@contextlib.contextmanager
+def counting_lm_head_rows(model):
+    """Record the rows of every call of `model`'s output embedding (the logits it builds: [1, rows, vocab]);
+    yields that list. Under CP the trainers' loss runs the chunked head instead, which builds none."""
+    rows: list[int] = []
+    handle = model.get_output_embeddings().register_forward_hook(lambda _m, _args, out: rows.append(out.shape[-2]))
+    try:
+        yield rows
+    finally:
+        handle.remove()
+
+
 def run_beside(pool, fn, reference, timeout: float = 300.0, **kwargs):
     """`pool.run(fn, **kwargs)` while this process computes `reference()` (a stock one-process run):
     a one-rank pool leaves the second core idle otherwise. Returns `(runs by rank, reference())`."""

@@ -26,10 +26,11 @@ import hf_blockdiag_cp as bdcp
 from hf_blockdiag_cp.data.collator import BlockdiagCPCollator
 from hf_blockdiag_cp.data import PackedBatchSampler, dataset_lengths
 from hf_blockdiag_cp.integrations.trainer import BlockdiagCPTrainer
+from hf_blockdiag_cp.logprobs.capture import PROBE_ROWS
 from hf_blockdiag_cp.planning import PAIR_COUNT
 from hf_blockdiag_cp.step import SHARD_KEY
 from helpers.reference import VOCAB
-from helpers.trainer import accelerate_env, checkpointing_settings, counting_attention, tiny_model
+from helpers.trainer import accelerate_env, checkpointing_settings, counting_attention, counting_lm_head_rows, tiny_model
 from helpers.trainer import quiet as _quiet
 from helpers.trainer_reference import (
     LOSS_TOL,
@@ -63,8 +64,10 @@ def cp_case(rank, world_size, group, cp_size, arg_overrides, balanced=False):
             max_tokens=MAX_TOKENS,
             cp_config=cp_config,
         )
-        output = _quiet(trainer).train()
+        with counting_lm_head_rows(model) as head_rows:
+            output = _quiet(trainer).train()
         result = outcome(trainer, initial, output)
+        result["head_rows"] = head_rows
         layouts = [trainer._local_batch(batch)[SHARD_KEY].layout for batch in trainer.get_train_dataloader()]
         result["permuted_packs"] = sum(
             not torch.equal(lay.slot_positions.reshape(-1), torch.arange(lay.padded_seq_len)) for lay in layouts
@@ -104,6 +107,15 @@ def test_trainer_matches_stock_trainer(gloo, reference, world_size, cp_size, arg
         assert sum(per_rank) > 0 and 0 < last["cp_packing_efficiency"] <= 1 and last["cp_tokens_per_second"] > 0
         # What the steps ran, once, in the first log (on CPU `auto` runs the dense kernel).
         assert _logged_choices(got) == [{"cp_attn_kernel": "dense", "cp_kv_exchange": "allgather", "cp_layout": "contiguous"}]
+
+
+def test_trainer_loss_builds_no_logits_of_the_shard(gloo, reference):
+    """dp = 2 x cp = 1 (one rank per core, the cheapest CP step): the loss comes from the chunked
+    log-prob head, so the model's output embedding projects at most the head's probe rows, never a
+    shard's [tokens, vocab] logits, and training is still exactly the stock Trainer's."""
+    for rank, got in enumerate(gloo(2).run(cp_case, timeout=180, cp_size=1, arg_overrides={})):
+        assert_same_training(got, reference, f"head rank {rank}")
+        assert got["head_rows"] and max(got["head_rows"]) <= PROBE_ROWS < MAX_TOKENS, (rank, got["head_rows"])
 
 
 def test_trainer_with_a_balanced_cp_config_matches_stock_trainer(gloo, reference):

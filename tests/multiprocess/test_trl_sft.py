@@ -31,11 +31,12 @@ from trl import SFTTrainer  # noqa: E402
 
 from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer  # noqa: E402
 from hf_blockdiag_cp.integrations.trl import metrics as trl_metrics  # noqa: E402
+from hf_blockdiag_cp.logprobs.capture import PROBE_ROWS  # noqa: E402
 from helpers.sft import (  # noqa: E402
     ACCUMULATION, MAX_LENGTH, STEPS, char_tokenizer, reference_documents, sft_config, sft_dataset, stock_loss,
     stock_token_metrics,
 )
-from helpers.trainer import accelerate_env, counting_attention, quiet, tiny_model  # noqa: E402
+from helpers.trainer import accelerate_env, counting_attention, counting_lm_head_rows, quiet, tiny_model  # noqa: E402
 from helpers.trainer_reference import assert_same_training, stock_eval_loss  # noqa: E402
 
 EVAL_TOL = 1e-5
@@ -152,7 +153,7 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
             reductions.append(values.shape[0])
             return reduce_rows(values, world_size)
 
-        with mock.patch.object(trl_metrics, "sum_over_world", counting):
+        with mock.patch.object(trl_metrics, "sum_over_world", counting), counting_lm_head_rows(trainer.model) as head_rows:
             trainer.train()
         logs = [h for h in trainer.state.log_history if "loss" in h]
         weights = {k: v.detach().cpu().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
@@ -163,7 +164,7 @@ def train_case(rank, world_size, group, cp_size, stock=False, transformers_versi
         return {"losses": [h["loss"] for h in logs], "grad_norms": [float(h["grad_norm"]) for h in logs],
                 "weights": weights, "initial": initial, "packs": len(trainer.train_dataset), "rows": rows,
                 "metrics": [{k: h.get(k) for k in TOKEN_METRICS} for h in logs], "eval": evaluated,
-                "reductions": reductions, "trl_reads": trl_reads}
+                "reductions": reductions, "trl_reads": trl_reads, "head_rows": head_rows}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +183,14 @@ def test_training_matches_stock_sft_trainer(cp_training, stock_training):
     assert ref["packs"] <= ACCUMULATION, f"{ref['packs']} packs: an optimizer step must cover the epoch"
     for rank, got in enumerate(cp_training):
         assert_same_training(got, ref, f"rank {rank}", steps=STEPS)
+
+
+def test_training_builds_no_logits_of_the_shard(cp_training):
+    """cp = 2: the training loss and TRL's token metrics come from the chunked log-prob head, as TRL's own
+    come from its fused LM head: the model's output embedding projects at most the head's probe rows,
+    never a shard's [tokens, vocab] logits (test_training_matches_stock_sft_trainer: the same training)."""
+    for rank, got in enumerate(cp_training):
+        assert got["head_rows"] and max(got["head_rows"]) <= PROBE_ROWS < MAX_LENGTH // 2, (rank, got["head_rows"])
 
 
 def test_lora_through_peft_config_trains_like_the_stock_sft_trainer(gloo):

@@ -12,9 +12,10 @@ backward in the step context. The mixin therefore owns these Trainer hooks:
   forward and `accelerator.backward`, inside `train_ctx()`; what the step ran goes to the callback.
   A micro-batch of several packs (`data.loader.PACKS_KEY`, the preference trainers' `batching="pairs"`)
   runs one such step per pack, gradients synchronised once, after its last pack.
-- `compute_loss`: passes `num_items_in_batch = N / W` to the model (N = targets of the whole
-  optimizer step over all ranks, W = world size), so each rank's loss is
-  `local token-loss sum * W / N` (I2): DDP's gradient mean over the W ranks and the Trainer's
+- `compute_loss`: `num_items_in_batch = N / W` (N = targets of the whole optimizer step over all
+  ranks, W = world size), so each rank's loss is `local token-loss sum * W / N` (I2), from the
+  chunked log-prob head where the model's own loss is the stock cross-entropy (`head_loss`: no
+  `[tokens, vocab]` logits), else passed to the model for its own loss: DDP's gradient mean over the W ranks and the Trainer's
   logged mean over processes are exactly the non-CP values. Nothing here depends on the
   Trainer's own `num_items_in_batch` counting, `average_tokens_across_devices` or its
   multiplication by the number of processes, which differ between Transformers versions. An MoE
@@ -48,6 +49,7 @@ from ...step.targets import no_targets_error
 from ..compile import compile_checkpointed_layers
 from .callback import BlockdiagCPCallback
 from .evaluation import ShardedEvaluationMixin
+from .head_loss import PathNote, head_loss_refusal, head_token_loss
 from .setup import (
     PackingOptions,
     check_no_foreign_parallelism,
@@ -121,6 +123,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         check_trainer_setup(self, cp_size)
         self._check_micro_batch_size()
         check_train_dataset(self.train_dataset, self._empty_dataset_cause())  # empty: the Trainer would end at once
+        self._loss_path_note = PathNote()
         self.cp_tokens_trained = 0  # real tokens of every pack trained on so far (each once, not per CP rank)
         self.cp_coordinates = ParallelDims(cp=cp_size, world_size=self.args.world_size, rank=self.args.process_index)
         self.cp_mesh = resolve_cp_mesh(cp_mesh, self.cp_coordinates, self.args.device.type)
@@ -270,12 +273,25 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
             # Without it (a direct call), the shard's own per-pack count (targets / cp_size) is used.
             inputs["num_items_in_batch"] = num_items_in_batch / self.cp_coordinates.world_size
         with router_aux_scope(scale=self._router_aux_scale()) as router:
-            outputs = model(**inputs)
+            outputs = self._cp_forward(model, inputs)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]
         if loss is None:
             raise ValueError("the model returned no loss for a CP batch with labels; expected a causal LM with a loss")
         loss = self._with_router_aux(loss, router.loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    # Per-token statistics of the chunked head (`logprobs.STATS`) a CP step's outputs carry, for metrics.
+    head_stats: tuple[str, ...] = ()
+
+    def _cp_forward(self, model, inputs: dict):
+        """The CP step's forward and loss: through the chunked log-prob head where the model's own loss is
+        the same token cross-entropy (`head_loss`: no `[tokens, vocab]` logits), else the model's own."""
+        refusal = head_loss_refusal(model, inputs, keeps_router_aux=self._router_aux_scale() != 0)
+        outputs = head_token_loss(model, inputs, self.head_stats) if refusal is None else None
+        if outputs is None and refusal is None:  # the model's logit transform is unknown to the head
+            refusal = head_loss_refusal(model, inputs, keeps_router_aux=self._router_aux_scale() != 0)
+        self._loss_path_note(refusal)
+        return model(**inputs) if outputs is None else outputs
 
     def _router_aux_scale(self) -> float:
         """How much of an MoE model's router auxiliary loss (the whole pack's: `model_patches.router_aux_loss`)

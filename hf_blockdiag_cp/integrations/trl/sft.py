@@ -13,14 +13,16 @@ parallelism (cp_size > 1)"), rightly: that CP knows one causal document per row.
 accelerate's CP stays off (the mixin refuses a `parallelism_config` with CP) and the CP group is
 the mixin's dp x cp mesh, so TRL's check never fires.
 
-The loss is the model's own, as in `BlockdiagCPTrainer`: TRL's `compute_loss` (its fused LM head,
-`loss_type="dft"`) is not used. TRL's metrics are logged as TRL logs them: `num_tokens` (the
+The loss is the token cross-entropy of `BlockdiagCPTrainer`, from the chunked log-prob head where the
+model's own loss is the stock one (`trainer.head_loss`; no `[tokens, vocab]` logits, as TRL's fused LM
+head), else the model's own: TRL's `compute_loss` (`loss_type="dft"`) is not used. TRL's metrics are logged as TRL logs them: `num_tokens` (the
 real tokens trained on so far, each pack's once, not once per CP rank: the mixin's count of the
 optimizer step), `mean_token_accuracy` and `entropy` (over the targets, label != -100, of every
 rank's shard, combined over the CP group and the DP replicas when the trainer logs:
-`metrics.TokenMetrics`), in training logs and as `eval_*` in `evaluate`'s metrics. Accuracy and
-entropy need the model's logits: with Liger's fused cross-entropy (`enable_fused_cross_entropy`)
-training builds none, so training logs then hold `num_tokens` only. An MoE model's router auxiliary
+`metrics.TokenMetrics`), in training logs and as `eval_*` in `evaluate`'s metrics. In training the
+head computes them per token next to the loss; otherwise they come from the model's logits: with
+Liger's fused cross-entropy (`enable_fused_cross_entropy`) training builds none, so training logs
+then hold `num_tokens` only. An MoE model's router auxiliary
 loss is the whole pack's (`model_patches.router_aux_loss`), added as TRL adds it (`router_aux_loss_coef`
 times it, over the accumulation steps) and logged as `aux_loss` in training logs.
 """
@@ -36,6 +38,7 @@ from ...compat.trl import DataCollatorForLanguageModeling, prepare_like_trl
 from ...config import CPConfig
 from ...step import STEP_KWARG
 from ..trainer import BlockdiagCPTrainerMixin
+from ..trainer.head_loss import HeadLossOutput
 from ..trainer.setup import check_world, sum_over_world
 from .metrics import TokenMetrics
 from .packs import prepacked_dataloader
@@ -89,6 +92,8 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
     size), `per_device_train_batch_size=1` and `loss_type="nll"`. The model uses
     `attn_implementation="blockdiag_cp"`; DDP or FSDP2 over the dp x cp ranks as the Trainer sets them up.
     """
+
+    head_stats = ("entropy", "is_top1")  # TRL's token metrics, per token from the chunked head
 
     def __init__(self, *args, cp_size: int = 1, cp_config: CPConfig | None = None, cp_mesh=None, **kwargs):
         warn_if_unverified_trl()
@@ -169,6 +174,9 @@ class BlockdiagCPSFTTrainer(BlockdiagCPTrainerMixin, SFTTrainer):
         self._add_token_metrics("eval", outputs, local, fill)
 
     def _add_token_metrics(self, mode: str, outputs, local: dict, fill: bool) -> None:
+        if isinstance(outputs, HeadLossOutput):  # the head's per-token statistics: no logits were built
+            self.token_metrics.add_token_stats(mode, outputs.entropy, outputs.is_top1, local["shift_labels"], fill)
+            return
         logits = outputs.get("logits") if isinstance(outputs, dict) else None
         self.token_metrics.add(mode, logits, local["shift_labels"], fill)
 
