@@ -1,15 +1,17 @@
 """Host-device synchronisations of one training step (forward + backward) of ours, per call site.
 
     python benchmarks/host_syncs.py --out /tmp/host_syncs.json                  # CPU: Llama, DPO and SFT, cp 1 and 2
-    python benchmarks/host_syncs.py --models llama qwen3_5 --cp 1 --out ...     # + the Qwen3.5 hybrid, cp 1 only
+    python benchmarks/host_syncs.py --models qwen3_5 --cp 1 --out ...   # the Qwen3.5 hybrid (gated delta rule)
+    python benchmarks/host_syncs.py --tasks dpo_trainer --cp 1 --out ...    # BlockdiagCPDPOTrainer's training_step
 
 A step is the core step API as a trainer runs it, on a tiny model (random init, fp32; bf16 on CUDA): the pack collated
 and sharded on the host (`BlockdiagCPCollator`, `PairPackCollator`: host work by design, not counted),
 its tensors moved to the model's device, `make_cp_blockdiag_batch_and_ctx`, then inside `train_ctx()`:
 SFT, `model(**local).loss` and its backward; DPO (2 pairs per pack), the policy's and the reference's
 `document_log_probs` (the chunked log-prob head) and the sigmoid loss of the pairs' sums, and its
-backward. cp 2 runs two gloo ranks (rank 0 reported; the ranks run the same code). The first step warms
-up (one-time probes, caches), the second is counted.
+backward. `dpo_trainer`: `BlockdiagCPDPOTrainer.training_step` (4 pairs in one pack; forward, backward
+and its pair metrics, not the optimizer), cp 1 only. cp 2 runs two gloo ranks (rank 0 reported; the
+ranks run the same code). The first step warms up (one-time probes, caches), the second is counted.
 
 Counted, in two ways:
 - On CUDA, `torch.cuda.set_sync_debug_mode("warn")`: every synchronising CUDA call that torch makes warns;
@@ -31,8 +33,9 @@ with the marker device `cpu:0`) or `cpu:0` itself makes a device tensor; `.cpu()
 `torch.device("cpu")` make host tensors. Limits of the CPU count:
 - a host tensor created with `device=<host tensor>.device` is a host tensor (as on a GPU), but one created
   with a device object built elsewhere (`torch.device("cpu", 0)`) would count as a device tensor;
-- collectives run on gloo: the consensus all-reduce's `.cpu()` on an NCCL group (one per step at cp > 1)
-  and a backend's own syncs are not seen; neither are kernels that sync internally (a varlen kernel
+- collectives run on gloo, and nothing inside a torch.distributed call is counted: the consensus
+  all-reduce's `.cpu()` on an NCCL group (one per step at cp > 1, by design) and a backend's own syncs
+  are not seen; neither are kernels that sync internally (a varlen kernel
   reading `cu_seqlens` on the host, FA4's setup), the CUDA caching allocator, nor pinned-memory effects;
 - code that branches on `device.type == "cuda"` takes its CPU branch (e.g. the head's eager tiles).
 On CUDA only the placement rules fall away: the ops counted are the same, read from the tensors' device.
@@ -63,6 +66,7 @@ from hf_blockdiag_cp import BlockdiagCPCollator, CPConfig, document_log_probs, m
 PACKAGE = str(Path(hf_blockdiag_cp.__file__).resolve().parent) + os.sep
 PATCHES = str(Path(hf_blockdiag_cp.__file__).resolve().parent.parent / "model_patches") + os.sep
 HERE = os.path.abspath(__file__)
+DISTRIBUTED = f"{os.sep}torch{os.sep}distributed{os.sep}"
 COUNTER_FRAMES = {"call_sites", "record", "__torch_function__", "__torch_dispatch__", "_count", "_host_clone"}
 DEVICE_GETTER = torch.Tensor.device.__get__
 MARKER = torch.device("cpu", 0)  # what `t.device` of a device tensor reads as on a CPU run
@@ -99,10 +103,10 @@ def _short(path: str) -> str:
     return os.path.basename(path)
 
 
-def call_sites() -> tuple[str, str]:
+def call_sites(stack) -> tuple[str, str]:
     """(innermost frame in this package or its model patches, innermost frame outside torch and this file)."""
     ours = outer = None
-    for frame in reversed(traceback.extract_stack()):
+    for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
         if (path == HERE and frame.name in COUNTER_FRAMES) or f"{os.sep}torch{os.sep}" in path or path.startswith("<"):
             continue
@@ -149,8 +153,12 @@ class SyncCounter:
             self.mark(t)
 
     def record(self, op: str, table: Counter | None = None) -> None:
-        if self.counting:
-            (self.counts if table is None else table)[(op, *call_sites())] += 1
+        if not self.counting:
+            return
+        stack = traceback.extract_stack()
+        if any(DISTRIBUTED in frame.filename for frame in stack):
+            return  # inside a torch.distributed call: gloo's own host copies, none on NCCL
+        (self.counts if table is None else table)[(op, *call_sites(stack))] += 1
 
     # -- modes
     def __enter__(self):
@@ -211,6 +219,8 @@ class _FunctionMode(TorchFunctionMode):
                 out = func(*args, **kwargs)
             else:
                 out = source.clone()
+            if target and c.on_device(source) and out.dtype == source.dtype and not kwargs.get("copy"):
+                return source  # already on the device: the same tensor, as on a GPU (`cpu:0` would copy)
             if target is None or target == c.on_device(source):
                 return out
             if target:
@@ -245,7 +255,7 @@ class _DispatchMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         c = self.c
-        if func.namespace in ("c10d", "_c10d_functional"):  # gloo's own host copies: none on NCCL
+        if func.namespace in ("c10d", "_c10d_functional"):  # a collective's own copies (gloo's): none counted
             counting, c.counting = c.counting, False
             try:
                 return func(*args, **kwargs)
@@ -360,6 +370,60 @@ def dpo_step(model, ref, group, cp_size, rank, device, counter, seq_len, config)
     counter.counting = False
 
 
+def word_tokenizer():
+    """A three-token tokenizer: the pairs are pre-tokenized, the trainer only reads its pad and eos."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<pad>": 0, "<eos>": 1, "<unk>": 2}, unk_token="<unk>"))
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def dpo_trainer_steps(model, ref, group, cp_size, rank, device, counter, seq_len, config) -> None:
+    """Two optimizer steps of `BlockdiagCPDPOTrainer` (4 pairs in one pack); the second step's `training_step`
+    (forward, backward and the pair metrics; not the optimizer) is counted, with `args.device` read as the
+    model's device (`MARKER`) on a CPU run so that what the trainer moves there is tagged."""
+    import tempfile
+
+    from datasets import Dataset
+    from trl import DPOConfig
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPDPOTrainer
+
+    vocab = model.config.vocab_size
+    prompts, completions = documents(4, seq_len // 16, vocab, 2), documents(8, seq_len // 16, vocab, 3)
+    rows = [{"prompt_ids": prompts[i].tolist(), "chosen_ids": completions[2 * i].tolist(),
+             "rejected_ids": completions[2 * i + 1].tolist()} for i in range(4)]
+    with tempfile.TemporaryDirectory() as out:
+        args = DPOConfig(output_dir=out, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=not counter.cuda,
+                         bf16=counter.cuda, max_length=seq_len, disable_dropout=True, loss_type=["sigmoid"])
+        trainer = BlockdiagCPDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                                        processing_class=word_tokenizer(), cp_size=cp_size, max_tokens=seq_len,
+                                        cp_config=config, cp_mesh=group)
+        step, calls = trainer.training_step, []
+
+        def counted(*a, **kw):
+            calls.append(1)
+            if len(calls) != 2:
+                return step(*a, **kw)
+            saved = trainer.args.__dict__.get("_setup_devices")
+            if not counter.cuda:
+                trainer.args.__dict__["_setup_devices"] = MARKER
+                counter.mark_module(trainer.model)
+                counter.mark_module(trainer.ref_model)
+            counter.counting = True
+            try:
+                with counter:
+                    return step(*a, **kw)
+            finally:
+                counter.counting = False
+                trainer.args.__dict__["_setup_devices"] = saved
+
+        trainer.training_step = counted
+        trainer.train()
+
+
 def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dict:
     """Counts of the second of two steps of `task` ("sft", "dpo") with a tiny `family` model on this rank."""
     cuda = args.device == "cuda"
@@ -368,36 +432,53 @@ def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dic
     config = CPConfig(attn_backend=args.attn_backend)
     dtype = torch.bfloat16 if cuda else torch.float32  # the GPU kernels run half precision only
     model = tiny_model(family).to("cuda" if cuda else "cpu", dtype)
-    ref = tiny_model(family).to("cuda" if cuda else "cpu", dtype) if task == "dpo" else None
+    ref = tiny_model(family).to("cuda" if cuda else "cpu", dtype) if task.startswith("dpo") else None
     for module in (model, ref):
         if module is not None:
             counter.mark_module(module)
-    debug = Counter()
-    for step in range(2):
+    if task == "dpo_trainer":
+        return summary(family, task, cp_size, model, counter, args, debug_of(
+            lambda: dpo_trainer_steps(model, ref, group, cp_size, rank, device, counter, args.seq_len, config), cuda))
+    warnings_seen = 0
+    for _ in range(2):  # the first step warms up; the second is counted
         counter.counts.clear()
         counter.copies.clear()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if cuda:
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with counter:
-                    if task == "sft":
-                        sft_step(model, group, cp_size, rank, device, counter, args.seq_len, config)
-                    else:
-                        dpo_step(model, ref, group, cp_size, rank, device, counter, args.seq_len, config)
-            finally:
-                if cuda:
-                    torch.cuda.set_sync_debug_mode(0)
+
+        def one_step():
+            with counter:
+                if task == "sft":
+                    sft_step(model, group, cp_size, rank, device, counter, args.seq_len, config)
+                else:
+                    dpo_step(model, ref, group, cp_size, rank, device, counter, args.seq_len, config)
+
+        warnings_seen = debug_of(one_step, cuda)
         model.zero_grad(set_to_none=True)
-        debug = Counter(str(w.message).split("\n")[0] for w in caught if "synchroniz" in str(w.message).lower())
+    return summary(family, task, cp_size, model, counter, args, warnings_seen)
+
+
+def debug_of(run, cuda: bool) -> int:
+    """Run `run()`; on CUDA under `set_sync_debug_mode("warn")`, returning how many sync warnings it raised.
+    (The counter's own modes only read tensors' devices and storages there: no syncs of their own.)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    return sum(1 for w in caught if "synchroniz" in str(w.message).lower())
+
+
+def summary(family: str, task: str, cp_size: int, model, counter: SyncCounter, args, warnings_seen: int) -> dict:
     layers = model.config.num_hidden_layers
     rows = [{"op": op, "site": ours, "outer": outer, "count": n} for (op, ours, outer), n in counter.counts.items()]
     copies = [{"op": op, "site": ours, "outer": outer, "count": n} for (op, ours, outer), n in counter.copies.items()]
     return {"model": family, "task": task, "cp": cp_size, "layers": layers, "device": args.device,
             "syncs": sorted(rows, key=lambda r: (-r["count"], r["site"])), "total": sum(counter.counts.values()),
             "h2d_copies": sorted(copies, key=lambda r: (-r["count"], r["site"])),
-            "h2d_total": sum(counter.copies.values()), "cuda_sync_warnings": sum(debug.values())}
+            "h2d_total": sum(counter.copies.values()), "cuda_sync_warnings": warnings_seen}
 
 
 def table(result: dict) -> str:
@@ -413,7 +494,9 @@ def table(result: dict) -> str:
 
 
 def run_scenarios(group, cp_size: int, rank: int, args) -> list[dict]:
-    return [measure(family, task, group, cp_size, rank, args) for family in args.models for task in args.tasks]
+    """Every model and task at `cp_size` (the trainer at cp 1 only: at cp > 1 it needs a launcher's environment)."""
+    return [measure(family, task, group, cp_size, rank, args) for family in args.models for task in args.tasks
+            if task != "dpo_trainer" or cp_size == 1]
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
@@ -453,7 +536,8 @@ def run_cp(cp_size: int, args) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama"], choices=["llama", "qwen3_5"])
-    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft"])
+    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft", "dpo_trainer"],
+                   help="dpo and sft: the core step API; dpo_trainer: BlockdiagCPDPOTrainer's training_step")
     p.add_argument("--cp", nargs="+", type=int, default=[1, 2], help="CP sizes (> 1 on the CPU: gloo ranks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per pack (a multiple of 2 * cp)")
     p.add_argument("--attn-backend", default="auto")
