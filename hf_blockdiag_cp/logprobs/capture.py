@@ -35,6 +35,10 @@ class UnknownLogitTransform(NotImplementedError):
     """The model's logits for the probe rows are not the head's `LogitTransform` of them (module docstring)."""
 
 
+class OutputEmbeddingNotCalled(RuntimeError):
+    """The model's forward never called its output embedding, so the head could not run."""
+
+
 @dataclass(eq=False)
 class HeadRequest:
     """One call's targets and options; filled by the hook with the per-token results."""
@@ -135,7 +139,7 @@ def run_with_head(model, inputs: dict[str, Any], request: HeadRequest):
     finally:
         _ACTIVE = previous
     if not request.seen:
-        raise RuntimeError(
+        raise OutputEmbeddingNotCalled(
             f"blockdiag_cp log-probs: {type(configured_model(model)).__name__}'s forward did not call its output "
             "embedding (get_output_embeddings()); the log-prob head cannot run for this model"
         )

@@ -144,3 +144,13 @@ def test_unknown_logit_transform_keeps_the_models_own_loss():
     got, _ = step_run(model, lambda local: head_token_loss(model, local))
     assert got is None
     assert "transforms its logits" in head_loss_refusal(model, {}, keeps_router_aux=True)
+
+
+def test_forward_without_its_output_embedding_keeps_the_models_own_loss():
+    """A model whose forward never calls the module `get_output_embeddings()` names: the head cannot run,
+    the step gets None, and the model is refused from then on."""
+    _, model = build_models("llama")
+    model.get_output_embeddings = lambda: torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    got, _ = step_run(model, lambda local: head_token_loss(model, local))
+    assert got is None
+    assert "did not call its output embedding" in head_loss_refusal(model, {}, keeps_router_aux=True)

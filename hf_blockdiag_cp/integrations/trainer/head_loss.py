@@ -13,7 +13,9 @@ per-token statistics (`logprobs.STATS`) for metrics, e.g. SFT's entropy and toke
 LM head differs from the stock ones (a custom `loss_function`, Liger's fused cross-entropy, a class
 forward from outside Transformers, a PEFT adapter on the LM head or prompt learning), or an MoE
 router auxiliary loss that the model's own loss would add. A model whose logits turn out, on the
-head's first probe, to be transformed in a way the head does not know keeps the model's loss too.
+head's first probe, to be transformed in a way the head does not know, or whose forward does not call
+its output embedding, keeps the model's loss too; so does an output embedding sharded by tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from transformers.utils import ModelOutput
 
 from ...compat.transformers import causal_lm_loss
 from ...logprobs import shard_log_probs
-from ...logprobs.capture import UnknownLogitTransform, output_embedding
+from ...logprobs.capture import OutputEmbeddingNotCalled, UnknownLogitTransform, output_embedding
+from ...logprobs.fsdp import fsdp_unit
 from ...model_patches.router_aux_loss import needs_router_aux
 from ...step.model_support import configured_model
 
@@ -47,6 +50,12 @@ class HeadLossOutput(ModelOutput):
     mean_logits: torch.Tensor | None = None
     is_top1: torch.Tensor | None = None
     log_sum_sq_probs: torch.Tensor | None = None
+
+
+def _is_dtensor(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _loss_model(model):
@@ -83,9 +92,11 @@ def head_loss_refusal(model, inputs: dict, keeps_router_aux: bool) -> str | None
     if refused is not None:
         return refused
     try:
-        output_embedding(model)
+        head = output_embedding(model)
     except ValueError as error:
         return str(error)
+    if _is_dtensor(head.weight) and (fsdp_unit(model, head) is None or head.weight.device_mesh.ndim > 1):
+        return "the output embedding's weight is sharded other than by FSDP2 alone (tensor parallelism)"
     peft_config = getattr(base, "active_peft_config", None) or getattr(model, "active_peft_config", None)
     if getattr(peft_config, "is_prompt_learning", False):
         return "a PEFT prompt-learning adapter changes the model's inputs and labels"
@@ -109,10 +120,11 @@ def head_loss_refusal(model, inputs: dict, keeps_router_aux: bool) -> str | None
 def head_token_loss(model, inputs: dict, stats: tuple[str, ...] = ()) -> HeadLossOutput | None:
     """`model`'s token cross-entropy on this CP step's `inputs` (the shard step's local batch with its
     `num_items_in_batch`) from the chunked head, and the requested per-token `stats`; None where the
-    model's logits are transformed in a way the head does not know (then refused for the model)."""
+    model's logits are transformed in a way the head does not know, or its forward never called its
+    output embedding (then refused for the model)."""
     try:
         log_probs, values, _ = shard_log_probs(model, inputs, stats=stats)
-    except UnknownLogitTransform as error:
+    except (UnknownLogitTransform, OutputEmbeddingNotCalled) as error:
         _REFUSED[_loss_model(model)] = str(error)
         return None
     loss = -log_probs.sum() / inputs["num_items_in_batch"]
