@@ -30,6 +30,7 @@ from helpers.trainer import counting_lm_head_rows
 
 TOL = 1e-5  # fp32, the same logits: only the order of the sums differs
 LENGTHS, N_PAD = (9, 1, 14, 7), 5
+LABELLED = {"shift_labels": torch.zeros(1, 4, dtype=torch.long)}  # a step's inputs, as far as the refusal reads them
 
 
 def pack():
@@ -58,7 +59,7 @@ def grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
 def test_head_loss_is_the_models_own_loss(family):
     _, model = build_models("llama") if family == "llama" else build_pair(family)
-    assert head_loss_refusal(model, {}, keeps_router_aux=True) is None
+    assert head_loss_refusal(model, LABELLED, keeps_router_aux=True) is None
 
     def own(local):
         out = model(**local)
@@ -93,7 +94,7 @@ def test_what_keeps_the_models_own_loss():
     from trl.trainer.utils import add_fused_lm_head
 
     def refusal(model, keeps_router_aux=True):
-        return head_loss_refusal(model, {}, keeps_router_aux=keeps_router_aux)
+        return head_loss_refusal(model, LABELLED, keeps_router_aux=keeps_router_aux)
 
     _, model = build_models("llama")
     add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))  # what TRL's SFTTrainer does
@@ -132,6 +133,7 @@ def test_what_keeps_the_models_own_loss():
     from transformers import AutoModelForCausalLM
 
     moe = AutoModelForCausalLM.from_config(moe_config("mixtral"))
+    assert head_loss_refusal(moe, {}, keeps_router_aux=False) == "the step has no labels"
     assert "router auxiliary loss" in refusal(moe)
     assert refusal(moe, keeps_router_aux=False) is None  # the SFT trainer adds TRL's own term
 
@@ -143,7 +145,7 @@ def test_unknown_logit_transform_keeps_the_models_own_loss():
     model.register_forward_hook(lambda module, args, out: out.__setitem__("logits", out["logits"] * 3.0) or out)
     got, _ = step_run(model, lambda local: head_token_loss(model, local))
     assert got is None
-    assert "transforms its logits" in head_loss_refusal(model, {}, keeps_router_aux=True)
+    assert "transforms its logits" in head_loss_refusal(model, LABELLED, keeps_router_aux=True)
 
 
 def test_forward_without_its_output_embedding_keeps_the_models_own_loss():
@@ -153,4 +155,4 @@ def test_forward_without_its_output_embedding_keeps_the_models_own_loss():
     model.get_output_embeddings = lambda: torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
     got, _ = step_run(model, lambda local: head_token_loss(model, local))
     assert got is None
-    assert "did not call its output embedding" in head_loss_refusal(model, {}, keeps_router_aux=True)
+    assert "did not call its output embedding" in head_loss_refusal(model, LABELLED, keeps_router_aux=True)

@@ -85,6 +85,8 @@ def _functions(forward, depth: int = 6) -> list:
 def head_loss_refusal(model, inputs: dict, keeps_router_aux: bool) -> str | None:
     """Why this CP step's loss must be the model's own rather than the head's (None: the head's is the
     same loss). `keeps_router_aux`: the model's own loss would add an MoE router auxiliary term."""
+    if not isinstance(inputs.get("shift_labels"), torch.Tensor):
+        return "the step has no labels"
     base = _loss_model(model)
     if base is None:
         return "the model has no config (not a Transformers model)"

@@ -288,7 +288,7 @@ class BlockdiagCPTrainerMixin(ShardedEvaluationMixin):
         the same token cross-entropy (`head_loss`: no `[tokens, vocab]` logits), else the model's own."""
         refusal = head_loss_refusal(model, inputs, keeps_router_aux=self._router_aux_scale() != 0)
         outputs = head_token_loss(model, inputs, self.head_stats) if refusal is None else None
-        if outputs is None and refusal is None:  # the model's logit transform is unknown to the head
+        if outputs is None and refusal is None:  # the head could not run in the model's forward: say why
             refusal = head_loss_refusal(model, inputs, keeps_router_aux=self._router_aux_scale() != 0)
         self._loss_path_note(refusal)
         return model(**inputs) if outputs is None else outputs
