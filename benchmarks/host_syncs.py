@@ -2,15 +2,15 @@
 
     python benchmarks/host_syncs.py --out /tmp/host_syncs.json                  # CPU: Llama, DPO and SFT, cp 1 and 2
     python benchmarks/host_syncs.py --models qwen3_5 --cp 1 --out ...   # the Qwen3.5 hybrid (gated delta rule)
-    python benchmarks/host_syncs.py --tasks dpo_trainer --cp 1 --out ...    # BlockdiagCPDPOTrainer's training_step
+    python benchmarks/host_syncs.py --tasks dpo_trainer sft_trainer --cp 1 --out ...   # the TRL trainers' step
 
 A step is the core step API as a trainer runs it, on a tiny model (random init, fp32; bf16 on CUDA): the pack collated
 and sharded on the host (`BlockdiagCPCollator`, `PairPackCollator`: host work by design, not counted),
 its tensors moved to the model's device, `make_cp_blockdiag_batch_and_ctx`, then inside `train_ctx()`:
 SFT, `model(**local).loss` and its backward; DPO (2 pairs per pack), the policy's and the reference's
 `document_log_probs` (the chunked log-prob head) and the sigmoid loss of the pairs' sums, and its
-backward. `dpo_trainer`: `BlockdiagCPDPOTrainer.training_step` (4 pairs in one pack; forward, backward
-and its pair metrics, not the optimizer), cp 1 only. cp 2 runs two gloo ranks (rank 0 reported; the
+backward. `dpo_trainer`, `sft_trainer`: `BlockdiagCPDPOTrainer` / `BlockdiagCPSFTTrainer.training_step` (4
+pairs or 4 documents in one pack; forward, backward and the trainer's metrics, not the optimizer), cp 1 only. cp 2 runs two gloo ranks (rank 0 reported; the
 ranks run the same code). The first step warms up (one-time probes, caches), the second is counted.
 
 Counted, in two ways:
@@ -401,27 +401,56 @@ def dpo_trainer_steps(model, ref, group, cp_size, rank, device, counter, seq_len
         trainer = BlockdiagCPDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                                         processing_class=word_tokenizer(), cp_size=cp_size, max_tokens=seq_len,
                                         cp_config=config, cp_mesh=group)
-        step, calls = trainer.training_step, []
-
-        def counted(*a, **kw):
-            calls.append(1)
-            if len(calls) != 2:
-                return step(*a, **kw)
-            saved = trainer.args.__dict__.get("_setup_devices")
-            if not counter.cuda:
-                trainer.args.__dict__["_setup_devices"] = MARKER
-                counter.mark_module(trainer.model)
-                counter.mark_module(trainer.ref_model)
-            counter.counting = True
-            try:
-                with counter:
-                    return step(*a, **kw)
-            finally:
-                counter.counting = False
-                trainer.args.__dict__["_setup_devices"] = saved
-
-        trainer.training_step = counted
+        count_second_training_step(trainer, counter)
         trainer.train()
+
+
+def sft_trainer_steps(model, ref, group, cp_size, rank, device, counter, seq_len, config) -> None:
+    """Two optimizer steps of `BlockdiagCPSFTTrainer` (4 documents in one pack, every token a target); the
+    second step's `training_step` is counted, as `dpo_trainer_steps` counts it."""
+    import tempfile
+
+    from datasets import Dataset
+    from trl import SFTConfig
+
+    from hf_blockdiag_cp.integrations.trl import BlockdiagCPSFTTrainer
+
+    docs = [{"input_ids": d.tolist()} for d in documents(4, seq_len // 4, model.config.vocab_size, seed=1)]
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, max_steps=2, per_device_train_batch_size=1, learning_rate=1e-3,
+                         logging_steps=1, report_to="none", save_strategy="no", use_cpu=not counter.cuda,
+                         bf16=counter.cuda, max_length=seq_len, packing=True, padding_free=False)
+        trainer = BlockdiagCPSFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(docs),
+                                        processing_class=word_tokenizer(), cp_size=cp_size, cp_config=config,
+                                        cp_mesh=group)
+        count_second_training_step(trainer, counter)
+        trainer.train()
+
+
+def count_second_training_step(trainer, counter: SyncCounter) -> None:
+    """Count the trainer's second `training_step`; on a CPU run with `args.device` read as `MARKER`, so that
+    what the trainer moves to its device is tagged, and its models' weights tagged first."""
+    step, calls = trainer.training_step, []
+
+    def counted(*a, **kw):
+        calls.append(1)
+        if len(calls) != 2:
+            return step(*a, **kw)
+        saved = trainer.args.__dict__.get("_setup_devices")
+        if not counter.cuda:
+            trainer.args.__dict__["_setup_devices"] = MARKER
+            for module in (trainer.model, getattr(trainer, "ref_model", None)):
+                if module is not None:
+                    counter.mark_module(module)
+        counter.counting = True
+        try:
+            with counter:
+                return step(*a, **kw)
+        finally:
+            counter.counting = False
+            trainer.args.__dict__["_setup_devices"] = saved
+
+    trainer.training_step = counted
 
 
 def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dict:
@@ -436,9 +465,10 @@ def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dic
     for module in (model, ref):
         if module is not None:
             counter.mark_module(module)
-    if task == "dpo_trainer":
+    if task.endswith("_trainer"):
+        steps = dpo_trainer_steps if task == "dpo_trainer" else sft_trainer_steps
         return summary(family, task, cp_size, model, counter, args, debug_of(
-            lambda: dpo_trainer_steps(model, ref, group, cp_size, rank, device, counter, args.seq_len, config), cuda))
+            lambda: steps(model, ref, group, cp_size, rank, device, counter, args.seq_len, config), cuda))
     warnings_seen = 0
     for _ in range(2):  # the first step warms up; the second is counted
         counter.counts.clear()
@@ -496,7 +526,7 @@ def table(result: dict) -> str:
 def run_scenarios(group, cp_size: int, rank: int, args) -> list[dict]:
     """Every model and task at `cp_size` (the trainer at cp 1 only: at cp > 1 it needs a launcher's environment)."""
     return [measure(family, task, group, cp_size, rank, args) for family in args.models for task in args.tasks
-            if task != "dpo_trainer" or cp_size == 1]
+            if not task.endswith("_trainer") or cp_size == 1]
 
 
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
@@ -536,8 +566,8 @@ def run_cp(cp_size: int, args) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama"], choices=["llama", "qwen3_5"])
-    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft", "dpo_trainer"],
-                   help="dpo and sft: the core step API; dpo_trainer: BlockdiagCPDPOTrainer's training_step")
+    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft", "dpo_trainer", "sft_trainer"],
+                   help="dpo and sft: the core step API; dpo_trainer, sft_trainer: the TRL trainers' training_step")
     p.add_argument("--cp", nargs="+", type=int, default=[1, 2], help="CP sizes (> 1 on the CPU: gloo ranks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per pack (a multiple of 2 * cp)")
     p.add_argument("--attn-backend", default="auto")
