@@ -23,6 +23,7 @@ import logging
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import send_to_device
 from trl import DPOConfig, DPOTrainer
 
 from ...compat.trl import overrides, use_adapter
@@ -30,6 +31,7 @@ from ...data.loader import micro_batch_packs
 from ...data.pairs import PAIRS_KEY, PromptCompletionPairs
 from ...logprobs import DocumentLogProbs, document_log_probs
 from ...model_patches.router_aux_loss import router_aux_scope, scope_loss
+from ...step import make_cp_blockdiag_batch_and_ctx
 from ..trainer.setup import check_same_weights, world_group
 from .dpo_loss import PairTerms, check_loss_types, micro_batch_losses, pair_losses
 from .preference import PairMetrics, PreferenceCPMixin, check_batching, row_mean
@@ -145,33 +147,78 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
 
     def _store_reference(self, name: str) -> None:
         if name == "train":
-            self.train_dataset = self._with_reference_columns(self.train_dataset)
+            self.train_dataset = self._with_reference_columns(self.train_dataset, train=True)
         elif isinstance(self.eval_dataset, dict):
             self.eval_dataset[name] = self._with_reference_columns(self.eval_dataset[name])
         else:
             self.eval_dataset = self._with_reference_columns(self.eval_dataset)
 
-    def _with_reference_columns(self, dataset):
+    def _with_reference_columns(self, dataset, train: bool = False):
+        """`dataset` with the reference's summed completion log-probs per pair (TRL's columns), computed where the
+        policy's live sums are next computed, in the same pack and place: the train pairs on the first epoch's
+        micro-batches (`train=True`), others on `evaluate`'s packs. A packed sum changes with its pack at rounding
+        level; computed alike, the policy's sums equal the stored ones bitwise while it is the reference (step 1),
+        so TRL's ties stay ties. A pair the epoch meets twice keeps its first pack's sums; one it drops (and every
+        pair of a non-train dataset) gets `evaluate`'s packs'."""
         if all(column in dataset.column_names for column in REF_COLUMNS):
             return dataset
-        loader = self._packed_loader(dataset, shuffle=False, drop_last=False)
-        mine = []
-        reference, context = self._reference()
-        for _, train_ctx, local, _, index in self._eval_steps(loader, model=reference):
-            pairs = local.pop(PAIRS_KEY)
-            with train_ctx(), context:
-                sums = self._sequence_log_probs(reference, local, pairs).detach().cpu()
-            if index is not None and self.cp_coordinates.cp_rank == 0:
-                mine.extend(zip(pairs.indices.tolist(), sums.tolist()))
-        everyone = [mine]
-        if world_group(self.cp_coordinates.world_size) is not None:
-            everyone = [None] * self.cp_coordinates.world_size
-            dist.all_gather_object(everyone, mine)
-        values = dict(pair for part in everyone for pair in part)
+        values = self._reference_sums(self._train_steps(self._train_loader())) if train else {}
+        missing = [i for i in range(len(dataset)) if i not in values]  # the same on every rank (gathered values)
+        if missing:
+            part = dataset if len(missing) == len(dataset) else dataset.select(missing)
+            loader = self._packed_loader(part, shuffle=False, drop_last=False)
+            steps = ((index, ctx, local) for _, ctx, local, _, index in self._eval_steps(loader, self._reference()[0]))
+            values.update({missing[i]: sums for i, sums in self._reference_sums(steps).items()})
         columns = [[values[i][k] for i in range(len(dataset))] for k in (0, 1)]
         for column, name in zip(columns, REF_COLUMNS):
             dataset = dataset.add_column(name, column)
         return dataset
+
+    def _train_steps(self, loader):
+        """Every real pack of the train `loader`'s first epoch as a forward-only CP step, sharded as training shards
+        it, in the reference's eval mode, `no_grad` and the stock forward context: `(micro-batch index, train_ctx,
+        local)`; filler packs skipped."""
+        reference, _ = self._reference()
+        was_training = reference.training
+        reference.eval()
+        try:
+            with torch.no_grad(), self._eval_forward_context():
+                for j, batch in enumerate(loader):
+                    for pack in micro_batch_packs(self._local_batch(batch)):
+                        if pack[PAIRS_KEY].filler:
+                            continue
+                        train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(
+                            self.cp_mesh, None, send_to_device(pack, self.args.device),
+                            padding_token_id=self.packing.pad_token_id, config=self.cp_config, model=reference)
+                        yield j, train_ctx, local
+        finally:
+            reference.train(was_training)
+
+    def _reference_sums(self, steps) -> dict[int, tuple[float, float]]:
+        """{dataset row: (chosen, rejected) reference sums} over every rank's `(place, train_ctx, local)` steps (place
+        None: a pack that only evens an eval round), each computed as `_pair_losses` computes the policy's (the same
+        statistics); a row met twice keeps its earliest place's. Collective (one all-gather)."""
+        mine = []
+        reference, context = self._reference()
+        for place, train_ctx, local in steps:
+            pairs = local.pop(PAIRS_KEY)
+            with train_ctx(), context:
+                result = document_log_probs(reference, local, stats=self._policy_stats())
+                sums = self._sequence_log_probs(reference, local, pairs, result).detach().cpu()
+            if place is not None and self.cp_coordinates.cp_rank == 0:
+                mine.extend((place, i, tuple(s)) for i, s in zip(pairs.indices.tolist(), sums.tolist()))
+        everyone = [mine]
+        if world_group(self.cp_coordinates.world_size) is not None:
+            everyone = [None] * self.cp_coordinates.world_size
+            dist.all_gather_object(everyone, mine)
+        values: dict[int, tuple[float, float]] = {}
+        for _, i, sums in sorted((row for part in everyone for row in part), key=lambda row: row[0]):
+            values.setdefault(i, sums)
+        return values
+
+    def _policy_stats(self) -> tuple[str, ...]:
+        """The per-token statistics the policy's forward computes (TRL's metrics; WPO's weights)."""
+        return ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
 
     def _reference(self):
         """(the model that gives reference log-probs, the context it runs in)."""
@@ -202,7 +249,7 @@ class BlockdiagCPDPOTrainer(PreferenceCPMixin, DPOTrainer):
             reference, context = self._reference()
             with torch.no_grad(), context:
                 ref = self._sequence_log_probs(reference, local, pairs)
-        stats = ("entropy", "mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        stats = self._policy_stats()
         aux = None
         if self.aux_loss_enabled:  # the policy's router auxiliary loss over the pack, as TRL asks its forward for it
             with router_aux_scope(model, request=True) as router:
