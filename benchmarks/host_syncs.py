@@ -458,7 +458,8 @@ def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dic
     cuda = args.device == "cuda"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else MARKER
     counter = SyncCounter(cuda)
-    config = CPConfig(attn_backend=args.attn_backend)
+    config = CPConfig(attn_backend=args.attn_backend, kv_exchange=args.kv_exchange, layout=args.layout,
+                      overlap={"off": False, "queries": True, "keys": "keys"}[args.overlap])
     dtype = torch.bfloat16 if cuda else torch.float32  # the GPU kernels run half precision only
     model = tiny_model(family).to("cuda" if cuda else "cpu", dtype)
     ref = tiny_model(family).to("cuda" if cuda else "cpu", dtype) if task.startswith("dpo") else None
@@ -571,6 +572,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cp", nargs="+", type=int, default=[1, 2], help="CP sizes (> 1 on the CPU: gloo ranks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per pack (a multiple of 2 * cp)")
     p.add_argument("--attn-backend", default="auto")
+    p.add_argument("--kv-exchange", default="allgather", help="CPConfig.kv_exchange (allgather, a2a, halo, heads, auto)")
+    p.add_argument("--layout", default="contiguous", help="CPConfig.layout (contiguous, balanced, ...)")
+    p.add_argument("--overlap", default="off", choices=["off", "queries", "keys"], help="CPConfig.overlap")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=None, help="JSON output path")
     args = p.parse_args(argv)
