@@ -7,7 +7,8 @@
 A step is the core step API as a trainer runs it, on a tiny model (random init, fp32; bf16 on CUDA): the pack collated
 and sharded on the host (`BlockdiagCPCollator`, `PairPackCollator`: host work by design, not counted),
 its tensors moved to the model's device, `make_cp_blockdiag_batch_and_ctx`, then inside `train_ctx()`:
-SFT, `model(**local).loss` and its backward; DPO (2 pairs per pack), the policy's and the reference's
+SFT, `model(**local).loss` and its backward (`sft_full_pack`: the full pack moved to the device and
+sharded inside `make_cp_blockdiag_batch_and_ctx`, which reads it back to plan); DPO (2 pairs per pack), the policy's and the reference's
 `document_log_probs` (the chunked log-prob head) and the sigmoid loss of the pairs' sums, and its
 backward. `dpo_trainer`, `sft_trainer`: `BlockdiagCPDPOTrainer` / `BlockdiagCPSFTTrainer.training_step` (4
 pairs or 4 documents in one pack; forward, backward and the trainer's metrics, not the optimizer), cp 1 only. cp 2 runs two gloo ranks (rank 0 reported; the
@@ -336,10 +337,12 @@ def to_device(local: dict, device, counter: SyncCounter) -> dict:
     return out
 
 
-def sft_step(model, group, cp_size, rank, device, counter, seq_len, config) -> None:
+def sft_step(model, group, cp_size, rank, device, counter, seq_len, config, full_pack: bool = False) -> None:
     docs = documents(4, seq_len // 4, model.config.vocab_size, seed=1)
     collator = BlockdiagCPCollator(seq_len, 0, cp_size, rank, cp_config=config)
-    local = to_device(collator([{"input_ids": d} for d in docs]), device, counter)
+    examples = [{"input_ids": d} for d in docs]
+    # sft_full_pack: the full pack on the device, sharded inside the step (the core API's other entry)
+    local = to_device(collator.pack(examples) if full_pack else collator(examples), device, counter)
     counter.counting = True
     train_ctx, local, _ = make_cp_blockdiag_batch_and_ctx(group, None, local, config=config, model=model)
     with train_ctx():
@@ -477,8 +480,8 @@ def measure(family: str, task: str, group, cp_size: int, rank: int, args) -> dic
 
         def one_step():
             with counter:
-                if task == "sft":
-                    sft_step(model, group, cp_size, rank, device, counter, args.seq_len, config)
+                if task.startswith("sft"):
+                    sft_step(model, group, cp_size, rank, device, counter, args.seq_len, config, task == "sft_full_pack")
                 else:
                     dpo_step(model, ref, group, cp_size, rank, device, counter, args.seq_len, config)
 
@@ -567,8 +570,9 @@ def run_cp(cp_size: int, args) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["llama"], choices=["llama", "qwen3_5"])
-    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft", "dpo_trainer", "sft_trainer"],
-                   help="dpo and sft: the core step API; dpo_trainer, sft_trainer: the TRL trainers' training_step")
+    p.add_argument("--tasks", nargs="+", default=["dpo", "sft"], choices=["dpo", "sft", "sft_full_pack", "dpo_trainer", "sft_trainer"],
+                   help="dpo, sft: the core step API on a pack sharded on the host; sft_full_pack: the full pack "
+                        "on the device, sharded by the step; dpo_trainer, sft_trainer: the TRL trainers' training_step")
     p.add_argument("--cp", nargs="+", type=int, default=[1, 2], help="CP sizes (> 1 on the CPU: gloo ranks)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per pack (a multiple of 2 * cp)")
     p.add_argument("--attn-backend", default="auto")

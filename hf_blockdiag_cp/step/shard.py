@@ -302,6 +302,30 @@ def _host_token_ids(primary_key: str, primary: torch.Tensor):
     return host_ids, token_id_range(host_ids)
 
 
+_HOST_ROWS = ("input_ids", "document_ids", "position_ids", "labels", "attention_mask")
+_MASK_ROWS = ("attention_mask", "loss_mask")
+
+
+def _host_rows(batch: dict, seq_len: int, device: torch.device, loss_mask) -> dict[str, torch.Tensor]:
+    """The `[1, S]` integer rows the planning reads (ids, document ids, positions, labels, masks) on the host,
+    copied together: one device-to-host copy (one host-device sync) a step, not one per row. A row of
+    another shape, dtype or device is left out: it is read where it is checked, and its check names it."""
+    rows = {key: batch.get(key) for key in _HOST_ROWS}
+    rows["loss_mask"] = batch.get("loss_mask") if loss_mask is None else loss_mask
+    kept = {key: t for key, t in rows.items() if _host_row_fits(key, t, seq_len, device)}
+    if not kept:
+        return {}
+    stacked = torch.stack([t.reshape(-1).long() for t in kept.values()]).cpu()
+    return {key: row.unsqueeze(0) for key, row in zip(kept, stacked)}
+
+
+def _host_row_fits(key: str, t, seq_len: int, device: torch.device) -> bool:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != (1, seq_len) or t.device != device:
+        return False
+    integer = not (t.dtype.is_floating_point or t.dtype.is_complex)
+    return integer and (t.dtype != torch.bool or key in _MASK_ROWS)
+
+
 def _with_padding_id(token_ids: tuple[int, int], padding_token_id: int) -> tuple[int, int]:
     if padding_token_id < 0:
         raise ValueError(f"padding_token_id must be a non-negative token id; got {padding_token_id}")
@@ -330,8 +354,9 @@ def shard_batch(
         raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}); got {cp_rank}")
     primary_key, primary = _primary(batch)
     seq_len, device = primary.shape[1], primary.device
-    host_ids, token_ids = _host_token_ids(primary_key, primary)
-    ids = document_ids_of(batch, seq_len)
+    host = _host_rows(batch, seq_len, device, loss_mask)
+    host_ids, token_ids = _host_token_ids(primary_key, host.get(primary_key, primary))
+    ids = document_ids_of({**batch, **host}, seq_len)
     labels = _row(batch, "labels", seq_len)
     if labels is not None:
         _check_integer("labels", labels)
@@ -377,7 +402,8 @@ def shard_batch(
 
     global_targets, targets = 0, None
     if labels is not None:
-        label_keys, global_targets, targets = _local_labels(labels, loss_mask, layout, slots, device)
+        label_keys, global_targets, targets = _local_labels(host.get("labels", labels), host.get("loss_mask", loss_mask),
+                                                            layout, slots, device)
         local.update(label_keys)
     local["use_cache"] = False
     primary_sum = primary.shape[-1] if host_ids is None else checksum(host_ids)
