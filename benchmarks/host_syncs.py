@@ -140,14 +140,14 @@ class SyncCounter:
         if self.cuda:
             return t.device.type == "cuda"
         try:
-            return t.untyped_storage()._cdata in self.device_storages
+            return t.untyped_storage().data_ptr() in self.device_storages
         except (RuntimeError, NotImplementedError):
             return False
 
     def mark(self, t) -> None:
         if isinstance(t, torch.Tensor) and not self.cuda:
             storage = t.untyped_storage()
-            self.device_storages[storage._cdata] = storage
+            self.device_storages[storage.data_ptr()] = storage
 
     def mark_module(self, module: torch.nn.Module) -> None:
         for t in list(module.parameters()) + list(module.buffers()):
@@ -228,7 +228,7 @@ class _FunctionMode(TorchFunctionMode):
                 c.record("host->device copy", c.copies)
             else:
                 c.record("device->host copy" + (" (non_blocking)" if kwargs.get("non_blocking") else ""))
-            if out.untyped_storage()._cdata == source.untyped_storage()._cdata:
+            if out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
                 out = out.clone() if target else _host_clone(c, out)
             if target:
                 c.mark(out)
@@ -242,7 +242,7 @@ class _FunctionMode(TorchFunctionMode):
 def _host_clone(counter: SyncCounter, t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in a fresh (host) storage, not tagged by the dispatch mode."""
     out = t.clone()
-    counter.device_storages.pop(out.untyped_storage()._cdata, None)
+    counter.device_storages.pop(out.untyped_storage().data_ptr(), None)
     return out
 
 

@@ -41,6 +41,12 @@ def compile_counters() -> dict[str, int]:
     return {"frames_compiled": int(counters["frames"]["ok"]), "graphs_compiled": int(counters["stats"]["unique_graphs"])}
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """`tensor._version`: autograd's counter of in-place writes to the tensor's data (a changed value
+    says the tensor was written since it was read)."""
+    return int(tensor._version)
+
+
 def cuda_sleep(cycles: int) -> None:
     """Keep the current CUDA stream busy for about `cycles` GPU clock cycles: `torch.cuda._sleep`."""
     torch.cuda._sleep(cycles)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat.torch import tensor_version
+
 logger = logging.getLogger(__name__)
 
 _SEEN = 0  # packs without targets this process counted (the first rank of each CP group counts its group's)
@@ -89,7 +91,7 @@ class StepTargets:
     def build(host: HostTargets | None, labels, device: torch.device) -> "StepTargets | None":
         if host is None or not isinstance(labels, torch.Tensor) or labels.numel() != labels.shape[-1]:
             return None
-        return StepTargets(host.rows.to(device, non_blocking=True), host.low, host.high, labels, labels._version)
+        return StepTargets(host.rows.to(device, non_blocking=True), host.low, host.high, labels, tensor_version(labels))
 
     def describe(self, labels: torch.Tensor) -> bool:
-        return labels is self.labels and labels._version == self.version
+        return labels is self.labels and tensor_version(labels) == self.version

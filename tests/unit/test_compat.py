@@ -72,6 +72,15 @@ def test_torch_dynamo_counts_the_graphs_it_compiles():
         _changed(torch_compat, f"torch._dynamo.utils.counters did not count a compile: {before} -> {after}", torch.__version__)
 
 
+def test_torch_version_counter_counts_in_place_writes():
+    t = torch.zeros(3, dtype=torch.long)
+    before = torch_compat.tensor_version(t)
+    t[0] = 1
+    assert torch_compat.tensor_version(t) > before, _changed(
+        torch_compat, "a tensor's `_version` did not count an in-place write", torch.__version__)
+    assert torch_compat.tensor_version(t.clone()) == 0
+
+
 def test_torch_cuda_sleep_exists():
     assert callable(getattr(torch.cuda, "_sleep", None)), _changed(torch_compat, "torch.cuda._sleep is gone",
                                                                    torch.__version__)
